@@ -1,0 +1,60 @@
+"""The attention layer every model uses, mirroring vllm/attention/layer.py.
+
+Shapes: ``query`` ``[num_tokens, num_heads * head_dim]``, ``key``/``value``
+``[num_tokens, num_kv_heads * head_dim]``, output ``[num_tokens, num_heads * head_dim]``.
+``self.kv_cache`` is this layer's paged cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+(index 0 = keys, 1 = values), bound by the model runner once the cache is allocated.
+
+Per step, in order: (1) a KV connector may block until this layer's external KV is loaded
+(``wait_for_layer_load``); (2) the new K/V are written into the paged cache through ``slot_mapping``
+(``reshape_and_cache``); (3) one unified paged-attention call serves prefill chunks, decode and
+multi-token spec-decode verification alike; (4) a connector may save this layer's KV
+(``save_kv_layer``). Steps (1) and (4) are vLLM's ``maybe_transfer_kv_layer`` decorator (article,
+"Disaggregated P/D": "KV transfers can also be done layer-by-layer").
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minivllm.attention.backends import get_attn_backend
+from minivllm.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 prefix: str = "", backend: str = "torch") -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.layer_name = prefix
+        self.backend_name = backend
+        self.backend = get_attn_backend(backend)
+        self.kv_cache = torch.empty(0)
+
+    def set_backend(self, backend: str) -> None:
+        self.backend_name = backend
+        self.backend = get_attn_backend(backend)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        md = ctx.attn_metadata
+        connector = ctx.kv_connector
+        transfer = connector is not None and connector.has_connector_metadata()
+        if transfer:
+            connector.wait_for_layer_load(self.layer_name)
+
+        n = query.shape[0]
+        q = query.view(n, self.num_heads, self.head_dim)
+        k = key.view(n, self.num_kv_heads, self.head_dim)
+        v = value.view(n, self.num_kv_heads, self.head_dim)
+        self.backend.reshape_and_cache(k, v, self.kv_cache, md.slot_mapping)
+        out = self.backend.unified_attention(
+            q, self.kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
+            md.max_query_len, md.max_seq_len, self.scale)
+
+        if transfer:
+            connector.save_kv_layer(self.layer_name, self.kv_cache, md)
+        return out.view(n, self.num_heads * self.head_dim)

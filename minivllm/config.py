@@ -1,0 +1,162 @@
+"""Engine configuration, mirroring vllm/config/ (ModelConfig, CacheConfig, SchedulerConfig,
+SpeculativeConfig, KVTransferConfig, VllmConfig).
+
+Every ``__post_init__`` validates its fields and raises ``ValueError`` naming the field and the allowed
+values, so a bad argument fails before any model weights are read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+NGRAM_MATCH_RULES = ("first", "last")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None   # resolved from the checkpoint when None
+    skip_tokenizer_init: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}.")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: Optional[int] = None
+    # Memory for the KV cache when num_gpu_blocks_override is not given.
+    kv_cache_memory_bytes: Optional[int] = None
+    num_gpu_blocks: Optional[int] = None      # resolved by the worker
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
+            raise ValueError(
+                f"block_size must be a positive power of two (1, 2, 4, ..., 256), got {bs!r}.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError("num_gpu_blocks_override must be at least 2 (block 0 is the reserved "
+                             f"null block), got {self.num_gpu_blocks_override}.")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 4096
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
+
+
+@dataclass
+class SpeculativeConfig:
+    """``speculative_config`` as the article passes it, plus minivllm's ``ngram_match`` and draft options."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: Optional[int] = None
+    prompt_lookup_max: Optional[int] = None
+    ngram_match: str = "first"
+    model: Optional[str] = None            # draft_model: a smaller checkpoint, same tokenizer
+    draft_num_layers: Optional[int] = None  # draft_model: self-draft from the target's first N layers
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
+                             f"got {self.method!r}.")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config.num_speculative_tokens must be an integer >= 1, "
+                             f"got {self.num_speculative_tokens!r}.")
+        if self.method == "ngram":
+            # vLLM: if only one bound is given the other copies it; if neither, both are 5.
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if lo is None and hi is None:
+                lo = hi = 5
+            lo = hi if lo is None else lo
+            hi = lo if hi is None else hi
+            if lo < 1:
+                raise ValueError(f"speculative_config.prompt_lookup_min must be >= 1, got {lo}.")
+            if lo > hi:
+                raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= "
+                                 f"prompt_lookup_max ({hi}).")
+            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+            if self.ngram_match not in NGRAM_MATCH_RULES:
+                raise ValueError(f"speculative_config.ngram_match must be one of "
+                                 f"{NGRAM_MATCH_RULES}, got {self.ngram_match!r}.")
+        if self.method == "draft_model":
+            if (self.model is None) == (self.draft_num_layers is None):
+                raise ValueError("speculative_config for method 'draft_model' needs exactly one of "
+                                 "'model' (a draft checkpoint) or 'draft_num_layers' (a self-draft).")
+
+    def use_eagle(self) -> bool:
+        return False
+
+    @property
+    def needs_lookahead_slots(self) -> bool:
+        # A draft model writes KV for its own drafts, so their slots must exist when it proposes
+        # (vLLM reserves these for EAGLE-style drafters only; n-gram writes no KV).
+        return self.method == "draft_model"
+
+    @classmethod
+    def from_dict(cls, cfg: "SpeculativeConfig | dict[str, Any] | None") -> Optional["SpeculativeConfig"]:
+        if cfg is None or isinstance(cfg, SpeculativeConfig):
+            return cfg
+        known = set(cls.__dataclass_fields__)
+        unknown = set(cfg) - known
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; "
+                             f"allowed: {sorted(known)}.")
+        return cls(**cfg)
+
+
+@dataclass
+class KVTransferConfig:
+    """vLLM's KVTransferConfig: which connector moves KV between instances, and this instance's role."""
+    kv_connector: Optional[str] = None
+    kv_role: Optional[str] = None
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector is not None and self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}.")
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def get_from_extra_config(self, key: str, default: Any) -> Any:
+        return self.kv_connector_extra_config.get(key, default)
+
+
+@dataclass
+class VllmConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    speculative_config: Optional[SpeculativeConfig] = None
+    kv_transfer_config: Optional[KVTransferConfig] = None
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    # Filled by the loader: the checkpoint's transformers config, and the resolved local path.
+    hf_config: Any = None
+    model_path: Optional[str] = None

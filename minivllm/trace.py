@@ -1,0 +1,78 @@
+"""Step records: what the engine did at each step, for notebooks, widgets, tests and the debugger.
+
+Recording is off by default and then costs one ``ContextVar.get()`` per call site. ``EngineCore.step()``
+opens a ``StepRecord`` when its ``Tracer`` is enabled; any code running inside that step (scheduler,
+KV cache manager, model runner, rejection sampler, KV connector) adds events with ``record(kind, ...)``.
+Widgets draw only from these records, never by recomputing what the engine did.
+
+Event kinds (each a plain dict with ``"kind"`` plus the fields listed):
+- ``"schedule"``: num_scheduled_tokens {req_id: n}, scheduled_spec_decode_tokens, preempted_req_ids,
+  token_budget, total_num_scheduled_tokens, new_req_ids, resumed_req_ids, running, waiting
+- ``"kv_cache"``: block_tables {req_id: [block ids]}, num_computed_tokens {req_id: n},
+  num_free_blocks, free_block_ids (queue order), cached_block_ids, num_gpu_blocks
+- ``"prefix_hit"``: req_id, num_local_computed_tokens, num_external_computed_tokens
+- ``"preempt"``: req_id, num_computed_tokens_before
+- ``"spec_propose"``: drafts {req_id: [token ids]}
+- ``"spec_verify"``: req_id, positions [ {draft_token_id, p_target, p_draft, uniform, accepted, kind,
+  output_token_id} ]  (kind in accepted | rejected | recovered | bonus)
+- ``"connector"``: role, method, req_id (optional), args, result, bytes
+- ``"sampled"``: {req_id: [token ids appended this step]}
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+
+@dataclass
+class StepRecord:
+    step: int
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["kind"] == kind]
+
+    def first(self, kind: str) -> Optional[dict[str, Any]]:
+        found = self.of(kind)
+        return found[0] if found else None
+
+
+_current: ContextVar[Optional[StepRecord]] = ContextVar("minivllm_step_record", default=None)
+
+
+def is_recording() -> bool:
+    return _current.get() is not None
+
+
+def record(kind: str, **fields: Any) -> None:
+    rec = _current.get()
+    if rec is not None:
+        rec.events.append({"kind": kind, **fields})
+
+
+@dataclass
+class Tracer:
+    enabled: bool = False
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @contextmanager
+    def step(self, index: int) -> Iterator[Optional[StepRecord]]:
+        if not self.enabled:
+            yield None
+            return
+        rec = StepRecord(step=index)
+        token = _current.set(rec)
+        try:
+            yield rec
+        finally:
+            _current.reset(token)
+            self.steps.append(rec)
+
+    def clear(self) -> None:
+        self.steps.clear()
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        """All events of one kind, each tagged with the step it happened in."""
+        return [{"step": s.step, **e} for s in self.steps for e in s.events if e["kind"] == kind]

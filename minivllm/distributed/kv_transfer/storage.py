@@ -1,0 +1,261 @@
+"""The on-disk format of ``SharedStorageConnector`` (vLLM keeps it inside
+vllm/distributed/kv_transfer/kv_connector/v1/shared_storage_connector.py; split out here to keep
+both files short, and hardened: checked metadata, checksums, atomic folders).
+
+One folder per stored prompt prefix of ``n`` tokens (``n`` a multiple of the block size)::
+
+    {shared_storage_path}/{md5(token_ids[:n] as little-endian int64)}/
+        {layer_name}.safetensors   one key "kv_cache": [2, n, num_kv_heads * head_dim] (0 = K, 1 = V)
+        meta.json                  model fingerprint, token ids, dtype, KV shape, per-file size + CRC32
+
+The layout does not depend on the block size: any instance whose block size divides ``n`` can
+load it. A folder appears in one ``os.rename`` of a finished temporary folder, so a reader sees a
+whole folder or none.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+import zlib
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+KEY = "kv_cache"
+ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+# The hf config fields that fix the KV cache's contents (names, paths and versions left out).
+_ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
+              "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "hidden_act")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+
+
+class KVStorageError(Exception):
+    """A stored folder or layer file is missing, truncated, corrupt or from another model."""
+
+
+def _md5():
+    try:
+        return hashlib.md5(usedforsecurity=False)
+    except (TypeError, ValueError):   # FIPS builds refuse MD5: vLLM falls back to SHA-256 too
+        return hashlib.sha256()
+
+
+def prefix_hashes(token_ids: list[int], block_size: int, max_tokens: int) -> list[tuple[int, str]]:
+    """``[(n, folder_name)]`` for n = bs, 2*bs, ... <= max_tokens, in one pass over the ids.
+
+    ``folder_name`` is the hex MD5 of ``token_ids[:n]`` as little-endian int64 bytes (vLLM's key)."""
+    out, h = [], _md5()
+    for start in range(0, max_tokens - max_tokens % block_size, block_size):
+        block = token_ids[start:start + block_size]
+        h.update(struct.pack(f"<{len(block)}q", *block))
+        out.append((start + block_size, h.copy().hexdigest()))
+    return out
+
+
+def model_fingerprint(vllm_config: Any) -> str:
+    """What two instances must share to exchange KV: architecture fields of the hf config, and a
+    sample of the weight files (size + 64 KiB from the middle), so that two checkpoints with the
+    same shapes but different weights do not match."""
+    h = hashlib.sha256()
+    cfg = vllm_config.hf_config
+    if cfg is not None:
+        d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
+        h.update(json.dumps({k: d.get(k) for k in _ARCH_KEYS}, sort_keys=True, default=str).encode())
+    path = vllm_config.model_path
+    files = []
+    if path and os.path.isdir(path):
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(_WEIGHT_SUFFIXES))
+    elif path and os.path.isfile(path):
+        files = [path]
+    for f in files:
+        size = os.path.getsize(f)
+        with open(f, "rb") as fh:
+            fh.seek(max(size // 2 - 32768, 0))
+            h.update(f"{os.path.basename(f)}:{size}:".encode() + fh.read(65536))
+    return h.hexdigest()[:32]
+
+
+def expected_layout(vllm_config: Any) -> dict[str, Any]:
+    """KV layout this instance will have, known to the scheduler before any cache exists."""
+    out: dict[str, Any] = {}
+    cfg = vllm_config.hf_config
+    if cfg is not None:
+        heads = getattr(cfg, "num_attention_heads", None)
+        out["num_layers"] = getattr(cfg, "num_hidden_layers", None)
+        out["num_kv_heads"] = getattr(cfg, "num_key_value_heads", None) or heads
+        hidden = getattr(cfg, "hidden_size", None)
+        out["head_dim"] = getattr(cfg, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    dtype = vllm_config.model_config.dtype
+    if dtype == "auto":   # the worker's rule (DESIGN 3): bfloat16 on CUDA, float32 elsewhere
+        dtype = "bfloat16" if str(vllm_config.device).startswith("cuda") else "float32"
+    out["dtype"] = dtype
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def check_storage_path(path: str, writable: bool) -> None:
+    """Create ``path`` if needed; raise ``OSError`` unless it can be read (and written)."""
+    os.makedirs(path, exist_ok=True)
+    if writable:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    elif not os.access(path, os.R_OK | os.X_OK):
+        raise PermissionError(f"cannot read {path}")
+
+
+def read_safetensors_header(path: str) -> tuple[dict[str, Any], int]:
+    """(header json, size the file must have) from the first bytes of a .safetensors file."""
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) != 8:
+            raise KVStorageError(f"{path}: truncated header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 1 << 20:
+            raise KVStorageError(f"{path}: header length {n} is not plausible")
+        try:
+            header = json.loads(fh.read(n))
+            end = max(int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise KVStorageError(f"{path}: unreadable header ({e})") from None
+    return header, 8 + n + end
+
+
+def read_meta(folder: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(folder, META_FILE)) as fh:
+            meta = json.load(fh)
+    except FileNotFoundError:
+        raise KVStorageError(f"{folder}: no {META_FILE}") from None
+    except (OSError, ValueError) as e:
+        raise KVStorageError(f"{folder}: unreadable {META_FILE} ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        raise KVStorageError(f"{folder}: {META_FILE} has an unknown format")
+    return meta
+
+
+def check_meta(meta: dict[str, Any], folder: str, token_ids: list[int], fingerprint: str,
+               layout: dict[str, Any], layer_names: Optional[list[str]] = None) -> None:
+    """Raise ``KVStorageError`` unless ``meta`` describes exactly this prefix for this model."""
+    if meta.get("model_fingerprint") != fingerprint:
+        raise KVStorageError(f"{folder}: stored by another model")
+    if meta.get("num_tokens") != len(token_ids) or meta.get("token_ids") != list(token_ids):
+        raise KVStorageError(f"{folder}: token ids differ from the prompt prefix")
+    for key in ("num_kv_heads", "head_dim", "dtype"):
+        if key in layout and meta.get(key) != layout[key]:
+            raise KVStorageError(f"{folder}: {key} {meta.get(key)!r} != {layout[key]!r}")
+    layers = meta.get("layers")
+    if not isinstance(layers, dict) or not layers:
+        raise KVStorageError(f"{folder}: no layers listed")
+    if "num_layers" in layout and len(layers) != layout["num_layers"]:
+        raise KVStorageError(f"{folder}: {len(layers)} layers stored, model has {layout['num_layers']}")
+    if layer_names is not None and set(layer_names) - set(layers):
+        raise KVStorageError(f"{folder}: layers {sorted(set(layer_names) - set(layers))[:3]} missing")
+
+
+def check_layer_file(folder: str, layer_name: str, meta: dict[str, Any], verify_data: bool) -> None:
+    """Header, shape, dtype and size of one layer file (cheap); with ``verify_data`` its CRC too."""
+    path = os.path.join(folder, f"{layer_name}.safetensors")
+    info = meta["layers"][layer_name]
+    try:
+        size = os.path.getsize(path)
+        header, want = read_safetensors_header(path)
+    except OSError as e:
+        raise KVStorageError(f"{path}: {e.strerror or e}") from None
+    t = header.get(KEY)
+    shape = [2, meta["num_tokens"], meta["num_kv_heads"] * meta["head_dim"]]
+    if not isinstance(t, dict) or t.get("shape") != shape or t.get("dtype") != ST_DTYPES.get(meta["dtype"]):
+        raise KVStorageError(f"{path}: expected {KEY} {meta['dtype']} {shape}, found {t}")
+    if size != want or size != info.get("nbytes"):
+        raise KVStorageError(f"{path}: {size} bytes, expected {info.get('nbytes')} (truncated?)")
+    if verify_data:
+        read_layer_file(folder, layer_name, meta)
+
+
+def read_layer_file(folder: str, layer_name: str, meta: dict[str, Any]) -> torch.Tensor:
+    """The layer's stored KV ``[2, n, num_kv_heads * head_dim]``, checked against its CRC32."""
+    path = os.path.join(folder, f"{layer_name}.safetensors")
+    info = meta["layers"].get(layer_name)
+    if info is None:
+        raise KVStorageError(f"{folder}: layer {layer_name} not stored")
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as e:
+        raise KVStorageError(f"{path}: {e.strerror or e}") from None
+    if len(data) != info.get("nbytes") or zlib.crc32(data) != info.get("crc32"):
+        raise KVStorageError(f"{path}: size or checksum mismatch (corrupt or truncated)")
+    try:
+        t = st_load(data)[KEY]
+    except Exception as e:  # safetensors raises its own error types
+        raise KVStorageError(f"{path}: unreadable ({e})") from None
+    shape = (2, meta["num_tokens"], meta["num_kv_heads"] * meta["head_dim"])
+    if tuple(t.shape) != shape:
+        raise KVStorageError(f"{path}: shape {tuple(t.shape)} != {shape}")
+    return t
+
+
+class FolderWriter:
+    """One folder being written: layer files go to a hidden temporary folder next to the final
+    one (same file system, so the final ``os.rename`` is atomic); ``commit`` publishes it."""
+
+    def __init__(self, root: str, name: str) -> None:
+        os.makedirs(root, exist_ok=True)
+        self.final = os.path.join(root, name)
+        self.tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root)
+        self.layers: dict[str, dict[str, int]] = {}
+
+    def write_layer(self, layer_name: str, kv: torch.Tensor) -> None:
+        """Write ``kv`` ``[2, n, num_kv_heads * head_dim]`` (on CPU), remembering size and CRC32."""
+        data = st_save({KEY: kv.contiguous()})
+        with open(os.path.join(self.tmp, f"{layer_name}.safetensors"), "wb") as fh:
+            fh.write(data)
+        self.layers[layer_name] = {"nbytes": len(data), "crc32": zlib.crc32(data)}
+
+    def commit(self, meta: dict[str, Any], final_is_valid) -> str:
+        """Write ``meta.json`` (plus the layer list) and publish; see ``commit_folder``."""
+        try:
+            with open(os.path.join(self.tmp, META_FILE), "w") as fh:
+                json.dump({**meta, "layers": self.layers}, fh)
+            return commit_folder(self.tmp, self.final, final_is_valid)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def commit_folder(tmp: str, final: str, final_is_valid) -> str:
+    """Publish ``tmp`` as ``final`` with one rename. Returns "committed", "exists" (another
+    producer won the race with a valid folder; ours is dropped) or "replaced" (an invalid
+    folder was in the way). Raises ``OSError`` only if publishing failed altogether."""
+    try:
+        os.rename(tmp, final)   # atomic; fails when final is a non-empty folder
+        return "committed"
+    except OSError:
+        if not os.path.exists(final):
+            raise
+    if final_is_valid():
+        shutil.rmtree(tmp, ignore_errors=True)
+        return "exists"
+    trash = f"{final}.old-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        os.rename(final, trash)
+    except OSError:             # someone else moved it first: fine, try to put ours there
+        trash = None
+    try:
+        os.rename(tmp, final)
+    except OSError:             # a concurrent producer published first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return "exists"
+    finally:
+        if trash:
+            shutil.rmtree(trash, ignore_errors=True)
+    return "replaced"

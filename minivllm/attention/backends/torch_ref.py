@@ -1,0 +1,146 @@
+"""Plain-PyTorch paged attention: the reference (and the CPU default) for the Triton kernels.
+
+Mirrors the two ops vLLM's Triton attention backend calls per layer and step
+(vllm/v1/attention/backends/triton_attn.py): storing the new K/V into the paged cache
+(vllm/attention/ops/triton_reshape_and_cache_flash.py) and one unified paged-attention call for
+prefill chunks, decode and spec-decode verification (vllm/attention/ops/triton_unified_attention.py).
+``triton_attn.py`` has the same two functions with the same signatures.
+
+Shapes:
+    key, value     [num_tokens, num_kv_heads, head_dim]
+    kv_cache       [2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = keys, 1 = values)
+    slot_mapping   [num_tokens] int64; slot s = block s // block_size, offset s % block_size; < 0 = padding
+    query, out     [num_tokens, num_heads, head_dim]
+    block_table    [num_seqs, max_num_blocks_per_seq] int32
+    seq_lens       [num_seqs] int32, context length including this step's query tokens
+    query_start_loc [num_seqs + 1] int32, cumulative query lengths
+
+Speed matters here (it is what runs on a laptop), so nothing loops over tokens: every sequence's
+K/V is gathered from the cache with one ``index_select`` into a padded batch and attention is one
+``scaled_dot_product_attention`` call with an explicit mask.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# A group of sequences is padded to its longest query and longest context. Above this ratio of padded
+# to useful work (e.g. one long prefill next to many decodes) the long-query sequences run alone.
+_MAX_PADDING_WASTE = 2.0
+# Query length up to which a sequence always joins the shared batch (decode, k+1 verify, small chunks).
+_SHORT_QUERY_LEN = 16
+# Reused K/V gather buffers, keyed by (name, device, dtype). A fresh multi-megabyte tensor per layer and
+# step costs more in page faults than the gather itself (glibc hands large freed blocks back to the
+# OS). Safe because the buffers never leave ``_attend``; not safe for concurrent calls from threads.
+_BUFFERS: dict[tuple, torch.Tensor] = {}
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write each token's K/V into its cache slot, in place; slots < 0 are padding tokens."""
+    block_size = kv_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    # Index the 5-D cache directly (not a flattened view) so that a strided cache is written in place too.
+    kv_cache[0, blocks, offsets] = key[keep].to(kv_cache.dtype)
+    kv_cache[1, blocks, offsets] = value[keep].to(kv_cache.dtype)
+
+
+def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+                      max_seq_len: int, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context.
+
+    Query token j of sequence s (query length q, context length L = seq_lens[s]) sits at absolute
+    position p = L - q + j and attends to the keys at positions 0..p, where position t lives in block
+    block_table[s, t // block_size] at offset t % block_size. The same rule covers a plain prefill
+    (q = L), a prefill chunk after earlier context (q < L), a decode (q = 1) and the (k+1)-token
+    verification of k drafts (causal among the new tokens). Rows of ``query`` past
+    query_start_loc[-1] (batch padding) come back as zeros.
+    """
+    out = torch.zeros_like(query)
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0:
+        return out
+    q_starts = query_start_loc[:-1].long()
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    seq_lens = seq_lens.long()
+
+    # Schedule the work (results do not depend on it): one padded batch when padding costs little,
+    # else the short queries together and each long query on its own.
+    useful = int((q_lens * seq_lens).sum())
+    if num_seqs * max_query_len * max_seq_len <= _MAX_PADDING_WASTE * useful:
+        groups = [None]
+    else:
+        short = q_lens <= _SHORT_QUERY_LEN
+        groups = [short.nonzero().flatten()] if bool(short.any()) else []
+        groups += [i.view(1) for i in (~short).nonzero().flatten()]
+    for idx in groups:
+        if idx is None:
+            _attend(query, kv_cache, block_table, seq_lens, q_starts, q_lens,
+                    max_query_len, max_seq_len, scale, out)
+        else:
+            _attend(query, kv_cache, block_table[idx], seq_lens[idx], q_starts[idx], q_lens[idx],
+                    int(q_lens[idx].max()), int(seq_lens[idx].max()), scale, out)
+    return out
+
+
+def _attend(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+            seq_lens: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
+            max_q: int, max_s: int, scale: float, out: torch.Tensor) -> None:
+    """Attention for a group of B sequences, padded to [B, max_q] queries x [B, max_s] keys; writes ``out``."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads        # query heads per kv head (GQA)
+    B = seq_lens.shape[0]
+    dev = query.device
+
+    # Queries: row j of sequence b is token q_starts[b] + j. Rows past q_lens[b] are padding; they read
+    # some valid token (clamped index) and are never written back.
+    j = torch.arange(max_q, device=dev)
+    tok = q_starts[:, None] + j                                   # [B, max_q]
+    q_valid = j < q_lens[:, None]
+    tok = tok.clamp(max=num_tokens - 1)
+    q = query.index_select(0, tok.flatten()).view(B, max_q, num_heads, head_dim)
+
+    # Keys/values: position t of sequence b sits at slot block_table[b, t // bs] * bs + t % bs.
+    # Positions past the context are clamped to the last real token, so that the padded batch only
+    # ever reads written (finite) cache entries and no garbage block-table entry is dereferenced.
+    t = torch.arange(max_s, device=dev)
+    pos = torch.minimum(t[None, :], seq_lens[:, None] - 1)       # [B, max_s]
+    blocks = block_table.long().gather(1, pos // block_size)
+    slots = (blocks * block_size + pos % block_size).flatten()
+    k_cache = kv_cache[0].reshape(-1, num_kv_heads, head_dim)  # [num_blocks * bs, kv_heads, head_dim]
+    v_cache = kv_cache[1].reshape(-1, num_kv_heads, head_dim)
+    k = _gather(k_cache, slots, "k").view(B, max_s, num_kv_heads, head_dim).to(query.dtype)
+    v = _gather(v_cache, slots, "v").view(B, max_s, num_kv_heads, head_dim).to(query.dtype)
+
+    # The causal rule with its offset: query row j sees key t iff t <= L - q + j. This also keeps the
+    # clamped padding keys (t >= L) away from every real row.
+    q_pos = seq_lens[:, None] - q_lens[:, None] + j              # [B, max_q] absolute positions
+    mask = t[None, None, :] <= q_pos[:, :, None]                 # [B, max_q, max_s]
+
+    # GQA without copying K/V: the `group` query heads that share kv head h become extra query rows
+    # of h (rows are (head in group, token) pairs), the grouping the Triton kernel's tiles use too.
+    # SDPA computes the softmax of bfloat16 inputs in float32.
+    q = q.view(B, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(B, num_kv_heads, group * max_q, head_dim)
+    mask = mask[:, None].expand(B, group, max_q, max_s).reshape(B, 1, group * max_q, max_s)
+    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask, scale=scale)
+    o = o.view(B, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    o = o.reshape(B, max_q, num_heads, head_dim)
+
+    out.index_copy_(0, tok[q_valid], o[q_valid].to(out.dtype))
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor, name: str) -> torch.Tensor:
+    """``cache.index_select(0, slots)`` into a reused buffer."""
+    numel = slots.numel() * cache[0].numel()
+    key = (name, cache.device, cache.dtype)
+    buf = _BUFFERS.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _BUFFERS[key] = torch.empty(numel, dtype=cache.dtype, device=cache.device)
+    out = buf[:numel].view(slots.numel(), *cache.shape[1:])
+    return torch.index_select(cache, 0, slots, out=out)

@@ -1,0 +1,342 @@
+"""The scheduler, mirroring vllm/v1/core/sched/scheduler.py (Dec-2025 semantics).
+
+There are no prefill and decode phases: each step tries to close the gap between a request's
+``num_computed_tokens`` and ``num_tokens_with_spec`` under a token budget. Running requests go first
+(preempting from the back of ``running`` when ``allocate_slots`` fails), then waiting ones.
+
+Article steps that live here:
+- spec decode step 4: drafts in ``request.spec_token_ids`` count as new tokens, so ``allocate_slots``
+  reserves their KV slots;
+- P/D "cache lookup", "state update" and "build metadata object": the KV connector's
+  ``get_num_new_matched_tokens``, ``update_state_after_alloc`` and ``build_connector_meta``.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Optional
+
+from minivllm import trace
+from minivllm.config import VllmConfig
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.kv_cache_utils import get_request_block_hasher
+from minivllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from minivllm.core.sched.utils import check_stop
+from minivllm.request import Request, RequestStatus
+from minivllm.spec_decode.metrics import SpecDecodingStats
+
+
+class Scheduler:
+    def __init__(self, vllm_config: VllmConfig, num_gpu_blocks: int,
+                 detokenize: Optional[Callable[[list[int]], str]] = None) -> None:
+        self.vllm_config = vllm_config
+        sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
+        self.max_num_running_reqs = sched.max_num_seqs
+        self.max_num_scheduled_tokens = sched.max_num_batched_tokens
+        self.long_prefill_token_threshold = sched.long_prefill_token_threshold
+        self.enable_chunked_prefill = sched.enable_chunked_prefill
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.block_size = cache.block_size
+        self.detokenize = detokenize
+
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Sent to the worker in the *next* SchedulerOutput, then replaced by a new set.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions_total = 0
+
+        spec = vllm_config.speculative_config
+        self.num_spec_tokens = spec.num_speculative_tokens if spec else 0
+        # vLLM reserves lookahead slots for EAGLE-style drafters only; minivllm's draft model writes KV
+        # for its drafts too, so it needs them as well. n-gram writes no KV and reserves none.
+        self.num_lookahead_tokens = self.num_spec_tokens if spec and spec.needs_lookahead_slots else 0
+        self.spec_decoding_stats = SpecDecodingStats(self.num_spec_tokens) if spec else None
+
+        self.kv_cache_manager = KVCacheManager(
+            num_gpu_blocks=num_gpu_blocks, block_size=self.block_size,
+            max_model_len=self.max_model_len, enable_caching=cache.enable_prefix_caching)
+        self.block_hasher = get_request_block_hasher(self.block_size)
+
+        # P/D article step "Instantiation": the connector's scheduler-side instance.
+        self.connector = None
+        if vllm_config.kv_transfer_config is not None and vllm_config.kv_transfer_config.kv_connector:
+            from minivllm.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
+            self.connector = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids: list[str], finished_status: RequestStatus) -> None:
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        scheduled_new_reqs: list[Request] = []
+        scheduled_resumed_reqs: list[Request] = []
+        scheduled_running_reqs: list[Request] = []
+        preempted_reqs: list[Request] = []
+        req_to_new_blocks: dict[str, Any] = {}
+        num_scheduled_tokens: dict[str, int] = {}
+        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+        token_budget = self.max_num_scheduled_tokens
+
+        # A: running requests.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            # Article step 4: drafts are part of num_tokens_with_spec, so they count as new tokens.
+            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
+            if 0 < self.long_prefill_token_threshold < num_new_tokens:
+                num_new_tokens = self.long_prefill_token_threshold
+            num_new_tokens = min(num_new_tokens, token_budget,
+                                 self.max_model_len - 1 - request.num_computed_tokens)
+            if num_new_tokens <= 0:
+                req_index += 1
+                continue
+
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens)
+                if new_blocks is not None:
+                    break
+                # Out of KV blocks: preempt the lowest-priority (last) running request.
+                victim = self.running.pop()
+                self._preempt_request(victim)
+                preempted_reqs.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+
+            scheduled_running_reqs.append(request)
+            req_to_new_blocks[request.request_id] = new_blocks
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+            if request.spec_token_ids:
+                # The budget or max_model_len may have cut some drafts: keep only the scheduled ones.
+                num_scheduled_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
+                if num_scheduled_spec > 0:
+                    scheduled_spec_decode_tokens[request.request_id] = (
+                        request.spec_token_ids[:num_scheduled_spec])
+                # Fresh drafts arrive through update_draft_token_ids() after this step.
+                request.spec_token_ids = []
+
+        # B: waiting requests, only if nothing had to be preempted.
+        skipped_waiting: deque[Request] = deque()
+        if not preempted_reqs:
+            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
+                request = self.waiting[0]
+                num_external_computed_tokens = 0
+                # Local prefix cache first (article, P/D "cache lookup": after local prefix-cache checks).
+                new_computed_blocks, num_new_local_computed_tokens = (
+                    self.kv_cache_manager.get_computed_blocks(request))
+                if self.connector is not None:
+                    num_external_computed_tokens, load_kv_async = (
+                        self.connector.get_num_new_matched_tokens(
+                            request, num_new_local_computed_tokens))
+                    if num_external_computed_tokens is None:   # "ask again later"
+                        skipped_waiting.append(self.waiting.popleft())
+                        continue
+                    assert not load_kv_async, "minivllm's connectors load synchronously"
+                    request.num_external_computed_tokens = num_external_computed_tokens
+                num_computed_tokens = num_new_local_computed_tokens + num_external_computed_tokens
+
+                num_new_tokens = request.num_tokens - num_computed_tokens
+                if 0 < self.long_prefill_token_threshold < num_new_tokens:
+                    num_new_tokens = self.long_prefill_token_threshold
+                if not self.enable_chunked_prefill and num_new_tokens > token_budget:
+                    break
+                num_new_tokens = min(num_new_tokens, token_budget)
+
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens + num_external_computed_tokens,
+                    num_new_local_computed_tokens, new_computed_blocks,
+                    # 0 for a fresh request keeps P and D block counts equal (vLLM's rule).
+                    num_lookahead_tokens=0)
+                if new_blocks is None:
+                    break   # stays at the head of `waiting`
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(
+                        request, new_computed_blocks + new_blocks, num_external_computed_tokens)
+
+                self.waiting.popleft()
+                self.running.append(request)
+                if request.status == RequestStatus.PREEMPTED:
+                    scheduled_resumed_reqs.append(request)
+                else:
+                    scheduled_new_reqs.append(request)
+                req_to_new_blocks[request.request_id] = self.kv_cache_manager.get_blocks(
+                    request.request_id)
+                num_scheduled_tokens[request.request_id] = num_new_tokens
+                token_budget -= num_new_tokens
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_computed_tokens
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_computed_tokens
+                trace.record("prefix_hit", req_id=request.request_id,
+                             num_local_computed_tokens=num_new_local_computed_tokens,
+                             num_external_computed_tokens=num_external_computed_tokens)
+        self.waiting.extendleft(reversed(skipped_waiting))
+
+        # C: finish the output.
+        num_common_prefix_blocks = [0]
+        if self.running:
+            num_common_prefix_blocks = self.kv_cache_manager.get_num_common_prefix_blocks(
+                self.running[0].request_id, len(self.running))
+        new_reqs_data = [NewRequestData.from_request(
+            r, req_to_new_blocks[r.request_id].get_block_ids()) for r in scheduled_new_reqs]
+        cached_reqs_data = self._make_cached_request_data(
+            scheduled_running_reqs, scheduled_resumed_reqs, req_to_new_blocks)
+        scheduler_output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached_reqs_data,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
+            num_common_prefix_blocks=list(num_common_prefix_blocks),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted_reqs},
+        )
+        if self.connector is not None:
+            # P/D "build metadata object": prefill marks stores, decode marks loads.
+            scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(
+                scheduler_output)
+        self._update_after_schedule(scheduler_output)
+        if trace.is_recording():
+            self._record_schedule(scheduler_output, token_budget)
+        return scheduler_output
+
+    def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],
+                                  req_to_new_blocks: dict[str, Any]) -> CachedRequestData:
+        data = CachedRequestData()
+        for req in running_reqs + resumed_reqs:
+            data.req_ids.append(req.request_id)
+            resumed = req in resumed_reqs
+            if resumed:
+                data.resumed_req_ids.add(req.request_id)
+                data.resumed_req_token_ids[req.request_id] = list(req.all_token_ids)
+            data.new_block_ids.append(req_to_new_blocks[req.request_id].get_block_ids())
+            data.num_computed_tokens.append(req.num_computed_tokens)
+            data.num_output_tokens.append(req.num_output_tokens)
+        return data
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        # num_computed_tokens is optimistic: advanced *before* the model runs; rejected drafts are
+        # subtracted again in update_from_output.
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        self.finished_req_ids = set()
+
+    def _preempt_request(self, request: Request) -> None:
+        trace.record("preempt", req_id=request.request_id,
+                     num_computed_tokens_before=request.num_computed_tokens)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------------ outputs
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: Any) -> list[tuple[Request, list[int]]]:
+        """Append sampled tokens, undo rejected drafts, stop finished requests.
+
+        Returns (request, new_token_ids) for every request that got tokens or finished this step."""
+        outputs: list[tuple[Request, list[int]]] = []
+        stopped: set[str] = set()
+        sampled = model_runner_output.sampled_token_ids
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            generated = sampled[model_runner_output.req_id_to_index[req_id]]
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                num_accepted = len(generated) - 1
+                num_rejected = len(drafts) - num_accepted
+                if request.num_computed_tokens > 0:
+                    # Article step 7: rejected tokens leave num_computed_tokens; their KV slots are
+                    # simply overwritten later, no blocks are freed.
+                    request.num_computed_tokens -= num_rejected
+                if self.spec_decoding_stats is not None:
+                    self.spec_decoding_stats.observe_draft(len(drafts), num_accepted)
+            new_token_ids, is_stopped = self._update_request_with_output(request, generated)
+            if is_stopped:
+                self._free_request(request)
+                stopped.add(req_id)
+            if new_token_ids or is_stopped:
+                outputs.append((request, new_token_ids))
+        if stopped:
+            self.running = [r for r in self.running if r.request_id not in stopped]
+        return outputs
+
+    def _update_request_with_output(self, request: Request,
+                                    new_token_ids: list[int]) -> tuple[list[int], bool]:
+        for i, token_id in enumerate(new_token_ids):
+            request.append_output_token_ids(token_id)
+            if check_stop(request, self.max_model_len, self.detokenize):
+                # Tokens after a stop (e.g. accepted drafts past an EOS) are dropped.
+                return new_token_ids[:i + 1], True
+        return new_token_ids, False
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Article step 3: store the proposer's drafts in request.spec_token_ids."""
+        for req_id, drafts in draft_token_ids.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            request.spec_token_ids = list(drafts)
+
+    def _free_request(self, request: Request) -> None:
+        assert request.is_finished()
+        delay_free = False
+        if self.connector is not None:
+            delay_free, _ = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(request.request_id)[0])
+        self.finished_req_ids.add(request.request_id)
+        if not delay_free:
+            self.kv_cache_manager.free(request)
+            del self.requests[request.request_id]
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
+                     eos_token_id: Optional[int], prompt: Optional[str] = None) -> Request:
+        return Request(request_id, prompt_token_ids, sampling_params, eos_token_id,
+                       block_hasher=self.block_hasher, prompt=prompt)
+
+    # ------------------------------------------------------------------ trace
+    def _record_schedule(self, so: SchedulerOutput, token_budget: int) -> None:
+        trace.record(
+            "schedule", num_scheduled_tokens=dict(so.num_scheduled_tokens),
+            scheduled_spec_decode_tokens={k: list(v) for k, v in
+                                          so.scheduled_spec_decode_tokens.items()},
+            preempted_req_ids=sorted(so.preempted_req_ids),
+            new_req_ids=[r.req_id for r in so.scheduled_new_reqs],
+            resumed_req_ids=sorted(so.scheduled_cached_reqs.resumed_req_ids),
+            total_num_scheduled_tokens=so.total_num_scheduled_tokens,
+            token_budget=self.max_num_scheduled_tokens, token_budget_left=token_budget,
+            running=[r.request_id for r in self.running],
+            waiting=[r.request_id for r in self.waiting])
+        ids = [r.request_id for r in self.running]
+        snap = self.kv_cache_manager.snapshot(ids)
+        snap["num_computed_tokens"] = {r.request_id: r.num_computed_tokens for r in self.running}
+        trace.record("kv_cache", **snap)

@@ -1,0 +1,35 @@
+"""Stop checks, mirroring vllm/v1/core/sched/utils.py ``check_stop``."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from minivllm.request import Request, RequestStatus
+
+
+def check_stop(request: Request, max_model_len: int,
+               detokenize: Optional[Callable[[list[int]], str]] = None) -> bool:
+    """After one appended token: EOS, stop token ids, stop strings, then length. Sets status."""
+    params = request.sampling_params
+    if request.num_output_tokens < params.min_tokens:
+        return False
+    last = request.output_token_ids[-1]
+    if not params.ignore_eos and last == request.eos_token_id:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if last in params._all_stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = last
+        return True
+    if params.stop and detokenize is not None:
+        # vLLM checks stop strings in the front-end detokenizer; doing it here, token by token, lets an
+        # accepted run of drafts end exactly where plain decoding would.
+        text = detokenize(request.output_token_ids)
+        for s in params.stop:
+            if s in text:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = s
+                return True
+    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False

@@ -1,0 +1,57 @@
+"""The engine core loop, mirroring vllm/v1/engine/core.py ``EngineCore.step()``:
+``schedule()`` → ``execute_model()`` → ``update_from_output()`` → ``post_step()`` (drafts reach the
+scheduler through their own call, after the outputs: ``take_draft_token_ids`` →
+``update_draft_token_ids``).
+
+Set a breakpoint in ``Scheduler.schedule`` and call ``step()``: everything runs in this process.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from minivllm.config import VllmConfig
+from minivllm.core.sched.scheduler import Scheduler
+from minivllm.request import Request
+from minivllm.trace import Tracer
+from minivllm.worker.worker import Worker
+
+
+class EngineCore:
+    def __init__(self, vllm_config: VllmConfig,
+                 detokenize: Optional[Callable[[list[int]], str]] = None) -> None:
+        self.vllm_config = vllm_config
+        self.worker = Worker(vllm_config)
+        self.worker.init_device()
+        self.worker.load_model()
+        num_gpu_blocks = self.worker.determine_num_available_blocks()
+        self.worker.initialize_cache(num_gpu_blocks)
+        self.scheduler = Scheduler(vllm_config, num_gpu_blocks, detokenize=detokenize)
+        self.tracer = Tracer()
+        self.step_index = 0
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def step(self) -> list[tuple[Request, list[int]]]:
+        """One engine step. Returns (request, new token ids) for requests that progressed."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        with self.tracer.step(self.step_index):
+            scheduler_output = self.scheduler.schedule()
+            if (scheduler_output.total_num_scheduled_tokens == 0 and not self.scheduler.running
+                    and not scheduler_output.preempted_req_ids):
+                raise RuntimeError(
+                    "The KV cache cannot hold even one waiting request "
+                    f"({self.vllm_config.cache_config.num_gpu_blocks} blocks of "
+                    f"{self.vllm_config.cache_config.block_size} tokens): raise "
+                    "num_gpu_blocks_override or lower max_model_len.")
+            model_output = self.worker.execute_model(scheduler_output)
+            outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+            self.post_step()
+        self.step_index += 1
+        return outputs
+
+    def post_step(self) -> None:
+        draft_token_ids = self.worker.take_draft_token_ids()
+        if draft_token_ids is not None:
+            self.scheduler.update_draft_token_ids(draft_token_ids)

@@ -1,0 +1,106 @@
+"""A step-at-a-time engine with a tokenizer in front, mirroring vllm/v1/engine/llm_engine.py.
+
+``add_request()`` / ``step()`` / ``has_unfinished_requests()`` let a notebook or a debugger drive the
+engine one step at a time; ``LLM.generate()`` is a loop over exactly these calls.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from minivllm.config import VllmConfig
+from minivllm.engine.core import EngineCore
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.request import Request
+from minivllm.sampling_params import SamplingParams
+
+PromptType = Union[str, dict]
+
+
+class LLMEngine:
+    def __init__(self, vllm_config: VllmConfig, tokenizer: Any = None,
+                 extra_eos_token_ids: Optional[list[int]] = None) -> None:
+        self.vllm_config = vllm_config
+        self.tokenizer = tokenizer
+        hf = vllm_config.hf_config
+        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        if eos is None:
+            eos = hf.eos_token_id[0] if isinstance(hf.eos_token_id, list) else hf.eos_token_id
+        self.eos_token_id: Optional[int] = eos
+        self.extra_eos_token_ids = [t for t in (extra_eos_token_ids or []) if t != eos]
+        self.engine_core = EngineCore(vllm_config, detokenize=self._detokenize if tokenizer else None)
+        self._requests: dict[str, Request] = {}
+
+    @property
+    def scheduler(self):
+        return self.engine_core.scheduler
+
+    @property
+    def tracer(self):
+        return self.engine_core.tracer
+
+    def _detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt must have the key 'prompt_token_ids'.")
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a str or {{'prompt_token_ids': [...]}}, got "
+                             f"{type(prompt).__name__}.")
+        if self.tokenizer is None:
+            raise ValueError("skip_tokenizer_init=True: give prompts as {'prompt_token_ids': [...]}.")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: Optional[SamplingParams] = None) -> Request:
+        params = SamplingParams() if params is None else params
+        text, token_ids = self.tokenize_prompt(prompt)
+        max_model_len = self.vllm_config.model_config.max_model_len
+        if not token_ids:
+            raise ValueError("prompt is empty: it must have at least one token.")
+        if len(token_ids) >= max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, which leaves no room under "
+                             f"max_model_len={max_model_len} (prompt tokens must be < max_model_len).")
+        vocab = self.vllm_config.hf_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt_token_ids must be in [0, {vocab}) for this model's vocabulary.")
+        if not params.ignore_eos and self.extra_eos_token_ids:
+            params._all_stop_token_ids |= set(self.extra_eos_token_ids)
+        if params.max_tokens is None:
+            params.max_tokens = max_model_len - len(token_ids)
+        request = self.scheduler.make_request(request_id, token_ids, params, self.eos_token_id,
+                                              prompt=text)
+        self._requests[request_id] = request
+        self.engine_core.add_request(request)
+        return request
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        from minivllm.request import RequestStatus
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return a RequestOutput for every request that progressed."""
+        results = []
+        for request, _ in self.engine_core.step():
+            results.append(self.make_output(request))
+            if request.is_finished():
+                self._requests.pop(request.request_id, None)
+        return results
+
+    def make_output(self, request: Request) -> RequestOutput:
+        token_ids = list(request.output_token_ids)
+        text = self._detokenize(token_ids) if self.tokenizer is not None else ""
+        stop = request.stop_reason
+        if isinstance(stop, str) and stop in text:
+            cut = text.index(stop)
+            text = text[:cut + len(stop)] if request.sampling_params.include_stop_str_in_output \
+                else text[:cut]
+        completion = CompletionOutput(0, text, token_ids, request.get_finished_reason(), stop)
+        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
+                             [completion], request.is_finished(),
+                             num_cached_tokens=max(request.num_cached_tokens, 0))

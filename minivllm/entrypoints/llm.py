@@ -1,0 +1,192 @@
+"""``LLM``: the offline entry point, mirroring vllm/entrypoints/llm.py.
+
+Every argument is checked before any weights are read (a bad value is a ``ValueError`` that names the
+field and what is allowed). ``generate()`` adds every prompt, then loops ``LLMEngine.step()`` until all
+requests are done, with a tqdm bar over finished requests.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from minivllm.config import (ATTENTION_BACKENDS, CacheConfig, KVTransferConfig, ModelConfig,
+                             SchedulerConfig, SpeculativeConfig, VllmConfig)
+from minivllm.engine.llm_engine import LLMEngine, PromptType
+from minivllm.metrics import Counter, Gauge, Metric, Vector
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        speculative_config: Optional[Union[dict, SpeculativeConfig]] = None,
+        kv_transfer_config: Optional[KVTransferConfig] = None,
+        seed: int = 0,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        skip_tokenizer_init: bool = False,
+        max_model_len: Optional[int] = None,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: Optional[int] = None,
+        num_gpu_blocks_override: Optional[int] = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        attention_backend: str = "auto",
+        kv_cache_memory_bytes: Optional[int] = None,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        # 1. Plain argument checks: nothing is loaded yet.
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}.")
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {attention_backend!r}.")
+        if attention_backend == "auto":
+            attention_backend = "triton" if device.startswith("cuda") else "torch"
+        model_config = ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
+                                   skip_tokenizer_init=skip_tokenizer_init, seed=seed)
+        cache_config = CacheConfig(block_size=block_size,
+                                   enable_prefix_caching=enable_prefix_caching,
+                                   num_gpu_blocks_override=num_gpu_blocks_override,
+                                   kv_cache_memory_bytes=kv_cache_memory_bytes)
+        spec = SpeculativeConfig.from_dict(speculative_config)
+        if kv_transfer_config is not None:
+            if isinstance(kv_transfer_config, dict):
+                kv_transfer_config = KVTransferConfig(**kv_transfer_config)
+            from minivllm.distributed.kv_transfer.factory import validate_kv_transfer_config
+            validate_kv_transfer_config(kv_transfer_config)
+
+        # 2. The checkpoint: resolve (GGUF conversion happens once), check it is Llama-family.
+        from minivllm.model_executor.model_loader import (load_hf_config, load_tokenizer,
+                                                          resolve_model_path)
+        if not os.path.exists(model) and (model.startswith((".", "/", "~")) or
+                                          model.endswith(".gguf")):
+            raise ValueError(f"model: path {model!r} does not exist.")
+        model_path = resolve_model_path(model)
+        hf_config = load_hf_config(model_path)
+        limit = int(getattr(hf_config, "max_position_embeddings", 2048))
+        if max_model_len is None:
+            model_config.max_model_len = limit
+        elif max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={limit}.")
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(4096, min(model_config.max_model_len, 8192))
+        sched_config = SchedulerConfig(max_num_seqs=max_num_seqs,
+                                       max_num_batched_tokens=max_num_batched_tokens,
+                                       enable_chunked_prefill=enable_chunked_prefill)
+        tokenizer = None if skip_tokenizer_init else load_tokenizer(model_path)
+        if spec is not None and spec.method == "draft_model" and spec.model is not None:
+            from minivllm.spec_decode.draft_model import validate_draft_model
+            validate_draft_model(spec, hf_config)
+        if spec is not None and spec.draft_num_layers is not None:
+            n = hf_config.num_hidden_layers
+            if not 1 <= spec.draft_num_layers <= n - 1:
+                raise ValueError(f"speculative_config.draft_num_layers must be in [1, {n - 1}] "
+                                 f"for this {n}-layer model, got {spec.draft_num_layers}.")
+
+        self.vllm_config = VllmConfig(model_config, cache_config, sched_config, spec,
+                                      kv_transfer_config, device=device,
+                                      attention_backend=attention_backend, hf_config=hf_config,
+                                      model_path=model_path)
+        # 3. Build the engine: load weights, allocate the KV cache.
+        gen_eos = _generation_eos_ids(model_path)
+        self.llm_engine = LLMEngine(self.vllm_config, tokenizer, extra_eos_token_ids=gen_eos)
+        self._request_counter = 0
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params_list)} entries for "
+                                 f"{len(prompts)} prompts: give one, or one per prompt.")
+        # Validate every prompt before any of them runs.
+        for p in prompts:
+            self.llm_engine.tokenize_prompt(p)
+        engine = self.llm_engine
+        ids = []
+        for prompt, params in zip(prompts, params_list):
+            req_id = str(self._request_counter)
+            self._request_counter += 1
+            # Each request gets its own copy: the engine fills in per-request stop ids.
+            engine.add_request(req_id, prompt, _copy_params(params))
+            ids.append(req_id)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [finished[i] for i in ids]
+
+    def get_metrics(self) -> list[Metric]:
+        core = self.llm_engine.engine_core
+        sched = core.scheduler
+        kv = sched.kv_cache_manager
+        stats = kv.prefix_cache_stats
+        metrics: list[Metric] = [
+            Counter("vllm:num_preemptions", sched.num_preemptions_total),
+            Counter("vllm:prefix_cache_queries", stats.queries),
+            Counter("vllm:prefix_cache_hits", stats.hits),
+            Gauge("vllm:kv_cache_usage_perc", kv.usage),
+            Gauge("vllm:num_gpu_blocks", self.vllm_config.cache_config.num_gpu_blocks),
+        ]
+        s = sched.spec_decoding_stats
+        if s is not None:
+            metrics += [
+                Counter("vllm:spec_decode_num_drafts", s.num_drafts),
+                Counter("vllm:spec_decode_num_draft_tokens", s.num_draft_tokens),
+                Counter("vllm:spec_decode_num_accepted_tokens", s.num_accepted_tokens),
+                Vector("vllm:spec_decode_num_accepted_tokens_per_pos",
+                       list(s.num_accepted_tokens_per_pos)),
+                Gauge("minivllm:spec_decode_mean_acceptance_length", s.mean_acceptance_length),
+            ]
+        for connector in (sched.connector, core.worker.kv_connector):
+            if connector is not None and hasattr(connector, "get_stats"):
+                role = "scheduler" if connector is sched.connector else "worker"
+                for name, value in connector.get_stats().items():
+                    metrics.append(Counter(f"minivllm:kv_connector_{role}_{name}", value))
+        return metrics
+
+
+def _copy_params(params: SamplingParams) -> SamplingParams:
+    import copy
+    new = copy.copy(params)
+    new._all_stop_token_ids = set(params._all_stop_token_ids)
+    return new
+
+
+def _generation_eos_ids(model_path: str) -> list[int]:
+    """EOS ids from generation_config.json (vLLM adds these to every request's stop ids)."""
+    import json
+    path = os.path.join(model_path, "generation_config.json")
+    if not os.path.exists(path):
+        return []
+    eos = json.load(open(path)).get("eos_token_id")
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, list) else [eos]

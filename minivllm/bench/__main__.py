@@ -1,0 +1,16 @@
+"""``python -m minivllm.bench {throughput,spec,pd} [options]``: benchmarks that print side-by-side tables."""
+import importlib
+import sys
+
+BENCHMARKS = {"throughput": "minivllm.bench.throughput", "spec": "minivllm.bench.spec",
+              "pd": "minivllm.bench.pd"}
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in BENCHMARKS:
+        raise SystemExit(f"usage: python -m minivllm.bench {{{','.join(BENCHMARKS)}}} [options]")
+    importlib.import_module(BENCHMARKS[sys.argv[1]]).main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""Verify drafts against the target model, mirroring vllm/v1/sample/rejection_sampler.py.
+
+Article step "accept/reject left to right". ``RejectionSampler(backend)(metadata, draft_probs,
+target_logits, bonus_token_ids, sampling_metadata)`` returns int32 ``[batch, max_spec_len + 1]``:
+per request its accepted drafts, then one more token (the *recovered* token at the first rejection,
+or the *bonus* token when every draft passed), then ``PLACEHOLDER_TOKEN_ID`` (-1).
+
+- ``metadata``: ``SpecDecodeMetadata`` (drafts flattened, ``num_tokens`` of them).
+- ``draft_probs``: ``[num_tokens, vocab]`` float32, or ``None`` for one-hot drafts (n-gram, EAGLE, Medusa).
+- ``target_logits``: ``[num_tokens, vocab]``, row j = the target's logits at draft j's position.
+- ``bonus_token_ids``: ``[batch, 1]``, sampled elsewhere from the logits after the last draft.
+
+Random rows accept draft x iff ``p_draft(x) > 0`` and ``p_target(x) / p_draft(x) >= u``, ``u ~ U[0, 1)``;
+on rejection the recovered token is drawn from ``max(p_target - p_draft, 0)`` (normalised implicitly by
+the exponential race). Each output position is then distributed exactly as the target (Leviathan et
+al. 2023). The random draws are made here in torch, once; the torch reference functions below and the
+Triton kernels in ``rejection_kernels.py`` then compute the same outputs from them.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+import torch
+from torch import nn
+
+from minivllm import trace
+from minivllm.sample import rejection_kernels as K
+from minivllm.sample.metadata import SamplingMetadata
+from minivllm.sample.sampler import apply_temperature, apply_top_k_top_p, exponential_noise
+from minivllm.spec_decode.metadata import SpecDecodeMetadata
+
+PLACEHOLDER_TOKEN_ID = -1
+GREEDY_TEMPERATURE = 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plain-PyTorch references (same signatures as the ``*_triton`` launchers in rejection_kernels.py).
+
+def expand_batch_to_tokens_torch(x, cu_num_tokens, num_tokens, max_spec_len, replace_from=0,
+                                 replace_to=0) -> torch.Tensor:
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return x.repeat_interleave(counts, output_size=num_tokens)
+
+
+def random_accept_mask(draft_token_ids, draft_probs, target_probs, uniform_probs) -> torch.Tensor:
+    """Per draft token: does it pass ``p_d > 0 and p_t / p_d >= u`` (float32 ratio, float64 compare)?"""
+    idx = draft_token_ids.long().unsqueeze(-1)
+    p_target = target_probs.gather(-1, idx).squeeze(-1)
+    if draft_probs is None:
+        return p_target >= uniform_probs
+    p_draft = draft_probs.gather(-1, idx).squeeze(-1)
+    return (p_draft > 0) & (p_target / p_draft >= uniform_probs)
+
+
+def _write_left_to_right(output, rows, cu_num_draft_tokens, draft_token_ids, accepted, rejected_token,
+                         bonus_token_ids, max_spec_len) -> None:
+    """For ``rows`` [batch] bool: drafts up to the first failure, then ``rejected_token`` there (or
+    the bonus when none failed)."""
+    batch, device = output.shape[0], output.device
+    cu = cu_num_draft_tokens.long()
+    num_draft = torch.diff(cu, prepend=cu.new_zeros(1))
+    req = torch.repeat_interleave(torch.arange(batch, device=device), num_draft,
+                                  output_size=draft_token_ids.numel())
+    pos = torch.arange(draft_token_ids.numel(), device=device) - (cu - num_draft)[req]
+    # One spare column, never accepted, so every row has a slot for its last token.
+    shape = (batch, max_spec_len + 1)
+    acc = torch.zeros(shape, dtype=torch.bool, device=device)
+    acc[req, pos] = accepted
+    drafts = torch.full(shape, PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=device)
+    drafts[req, pos] = draft_token_ids.to(torch.int32)
+    rejects = torch.full(shape, PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=device)
+    rejects[req, pos] = rejected_token.to(torch.int32)
+    num_accepted = acc.to(torch.int32).cumprod(dim=1).sum(dim=1, keepdim=True)
+    last = torch.where(num_accepted.squeeze(1) < num_draft, rejects.gather(1, num_accepted).squeeze(1),
+                       bonus_token_ids.view(-1).to(torch.int32))
+    cols = torch.arange(max_spec_len + 1, device=device)
+    out = torch.where(cols < num_accepted, drafts, PLACEHOLDER_TOKEN_ID).to(torch.int32)
+    out.scatter_(1, num_accepted, last.unsqueeze(1))
+    output[rows] = out[rows]
+
+
+def rejection_greedy_sample_torch(output_token_ids, cu_num_draft_tokens, draft_token_ids,
+                                  target_argmax, bonus_token_ids, is_greedy, max_spec_len) -> None:
+    accepted = draft_token_ids.long() == target_argmax.long()
+    _write_left_to_right(output_token_ids, is_greedy, cu_num_draft_tokens, draft_token_ids, accepted,
+                         target_argmax, bonus_token_ids, max_spec_len)
+
+
+def rejection_random_sample_torch(output_token_ids, cu_num_draft_tokens, draft_token_ids, draft_probs,
+                                  target_probs, bonus_token_ids, recovered_token_ids, uniform_probs,
+                                  is_greedy, max_spec_len) -> None:
+    accepted = random_accept_mask(draft_token_ids, draft_probs, target_probs, uniform_probs)
+    _write_left_to_right(output_token_ids, ~is_greedy, cu_num_draft_tokens, draft_token_ids, accepted,
+                         recovered_token_ids, bonus_token_ids, max_spec_len)
+
+
+def sample_recovered_tokens_torch(cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, q,
+                                  max_spec_len) -> torch.Tensor:
+    idx = draft_token_ids.long().unsqueeze(-1)
+    if draft_probs is None:
+        prob = target_probs.scatter(-1, idx, 0.0)
+    else:
+        prob = (target_probs - draft_probs).clamp_min(0.0)
+    counts = torch.diff(cu_num_draft_tokens.long(), prepend=cu_num_draft_tokens.new_zeros(1).long())
+    q_per_token = q.repeat_interleave(counts, dim=0, output_size=draft_token_ids.numel())
+    return (prob / q_per_token).argmax(dim=-1).to(draft_token_ids.dtype)
+
+
+_BACKENDS = {
+    "torch": (expand_batch_to_tokens_torch, rejection_greedy_sample_torch,
+              rejection_random_sample_torch, sample_recovered_tokens_torch),
+    "triton": (K.expand_batch_to_tokens_triton, K.rejection_greedy_sample_triton,
+               K.rejection_random_sample_triton, K.sample_recovered_tokens_triton),
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The random draws (torch only, shared by both backends).
+
+def generate_uniform_probs(num_tokens: int, num_draft_tokens: list[int],
+                           generators: dict[int, torch.Generator], device) -> torch.Tensor:
+    """``[num_tokens]`` float64 U[0, 1); seeded requests with drafts redraw their slice themselves."""
+    uniform_probs = torch.rand(num_tokens, dtype=torch.float64, device=device)
+    if generators:
+        starts = [0, *itertools.accumulate(num_draft_tokens)]
+        for i, generator in generators.items():
+            if num_draft_tokens[i] > 0:
+                uniform_probs[starts[i]:starts[i + 1]].uniform_(generator=generator)
+    return uniform_probs
+
+
+def generate_recovery_noise(batch_size: int, vocab_size: int, num_draft_tokens: list[int],
+                            generators: dict[int, torch.Generator], device) -> torch.Tensor:
+    """``q`` ``[batch, vocab]`` float32 Exp(1): one row per request, shared by all its positions."""
+    used = {i: g for i, g in generators.items() if num_draft_tokens[i] > 0}
+    return exponential_noise((batch_size, vocab_size), used, device)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+def apply_sampling_constraints(logits: torch.Tensor, metadata: SpecDecodeMetadata,
+                               sampling_metadata: SamplingMetadata, backend: str = "torch") -> torch.Tensor:
+    """Temperature, top-k and top-p per draft token: each request's values repeated over its drafts."""
+    if sampling_metadata.all_greedy:
+        return logits
+    expand = _BACKENDS[backend][0]
+    n, cu, msl = logits.shape[0], metadata.cu_num_draft_tokens, metadata.max_spec_len
+    temperature = expand(sampling_metadata.temperature, cu, n, msl, GREEDY_TEMPERATURE, 1.0)
+    top_k = None if sampling_metadata.top_k is None else expand(sampling_metadata.top_k, cu, n, msl)
+    top_p = None if sampling_metadata.top_p is None else expand(sampling_metadata.top_p, cu, n, msl)
+    return apply_top_k_top_p(apply_temperature(logits, temperature), top_k, top_p)
+
+
+def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                     target_probs, target_argmax, bonus_token_ids, sampling_metadata,
+                     backend: str = "torch") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Output ``[batch, max_spec_len + 1]`` int32 and the uniform draws (``None`` if all greedy)."""
+    _, greedy_sample, random_sample, recover = _BACKENDS[backend]
+    batch_size, device = len(num_draft_tokens), target_probs.device
+    output = torch.full((batch_size, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int32,
+                        device=device)
+    is_greedy = _is_greedy(sampling_metadata, batch_size, device)
+    if not sampling_metadata.all_random:
+        greedy_sample(output, cu_num_draft_tokens, draft_token_ids, target_argmax, bonus_token_ids,
+                      is_greedy, max_spec_len)
+        if sampling_metadata.all_greedy:
+            return output, None
+    generators = sampling_metadata.generators
+    uniform_probs = generate_uniform_probs(draft_token_ids.numel(), num_draft_tokens, generators, device)
+    q = generate_recovery_noise(batch_size, target_probs.shape[-1], num_draft_tokens, generators, device)
+    recovered = recover(cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, q, max_spec_len)
+    random_sample(output, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs,
+                  bonus_token_ids, recovered, uniform_probs, is_greedy, max_spec_len)
+    return output, uniform_probs
+
+
+def _is_greedy(sampling_metadata: SamplingMetadata, batch_size: int, device) -> torch.Tensor:
+    if sampling_metadata.all_greedy or sampling_metadata.all_random:
+        return torch.full((batch_size,), sampling_metadata.all_greedy, dtype=torch.bool, device=device)
+    return sampling_metadata.temperature == GREEDY_TEMPERATURE
+
+
+class RejectionSampler(nn.Module):
+    """``backend``: "torch", "triton", or "auto" (Triton on CUDA, the torch reference otherwise).
+
+    With ``record = True`` (or inside a recording trace step, which also gets one ``"spec_verify"``
+    event per request, ``req_index`` = row) each call leaves ``last_record``: per request, per
+    position up to and including the emitted token, a dict with draft_token_id (None for a bonus),
+    p_target, p_draft (1.0 for one-hot drafts; None for a bonus), uniform (None on greedy rows and for
+    a bonus), accepted (False for a bonus: no draft was tested), kind ("accepted" | "recovered" |
+    "bonus"; a greedy mismatch emits the target argmax, which counts as recovered) and
+    output_token_id, all read from the tensors the kernels used.
+    """
+
+    def __init__(self, backend: str = "auto") -> None:
+        super().__init__()
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}.")
+        if backend == "auto":
+            backend = "triton" if torch.cuda.is_available() else "torch"
+        self.backend = backend
+        self.record = False
+        self.last_record: Optional[list[list[dict]]] = None
+
+    def forward(self, metadata: SpecDecodeMetadata, draft_probs: Optional[torch.Tensor],
+                target_logits: torch.Tensor, bonus_token_ids: torch.Tensor,
+                sampling_metadata: SamplingMetadata) -> torch.Tensor:
+        _check_inputs(metadata, draft_probs, target_logits, bonus_token_ids, sampling_metadata)
+        if draft_probs is not None:
+            draft_probs = draft_probs.float()
+        logits = apply_sampling_constraints(target_logits.float(), metadata, sampling_metadata,
+                                            self.backend)
+        target_probs = logits.softmax(dim=-1, dtype=torch.float32)
+        # vLLM takes the argmax of target_probs; the logits' argmax is the same token except where the
+        # softmax rounds two near-equal logits to one probability, and it is what the Sampler uses.
+        target_argmax = logits.argmax(dim=-1)
+        output, uniform_probs = rejection_sample(
+            metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,
+            metadata.cu_num_draft_tokens, draft_probs, target_probs, target_argmax, bonus_token_ids,
+            sampling_metadata, self.backend)
+        if self.record or trace.is_recording():
+            records = _build_record(metadata, draft_probs, target_probs, target_argmax, uniform_probs,
+                                    _is_greedy(sampling_metadata, output.shape[0], output.device), output)
+            self.last_record = records
+            for i, positions in enumerate(records):
+                trace.record("spec_verify", req_index=i, positions=positions)
+        return output
+
+    @staticmethod
+    def parse_output(output_token_ids: torch.Tensor, vocab_size: int,
+                     discard_req_indices=()) -> list[list[int]]:
+        """Each row's valid ids: not the placeholder, inside the vocabulary; discarded rows empty."""
+        rows = output_token_ids.tolist()
+        discard = set(discard_req_indices)
+        return [[] if i in discard else [t for t in row if 0 <= t < vocab_size]
+                for i, row in enumerate(rows)]
+
+
+def parse_output(output_token_ids: torch.Tensor, vocab_size: int, discard_req_indices=()) -> list[list[int]]:
+    return RejectionSampler.parse_output(output_token_ids, vocab_size, discard_req_indices)
+
+
+def _check_inputs(metadata, draft_probs, target_logits, bonus_token_ids, sampling_metadata) -> None:
+    num_tokens, batch = metadata.draft_token_ids.numel(), len(metadata.num_draft_tokens)
+    if target_logits.dim() != 2 or target_logits.shape[0] != num_tokens:
+        raise ValueError(f"target_logits must be [num_draft_tokens={num_tokens}, vocab], "
+                         f"got {tuple(target_logits.shape)}.")
+    if draft_probs is not None and draft_probs.shape != target_logits.shape:
+        raise ValueError(f"draft_probs must match target_logits {tuple(target_logits.shape)}, "
+                         f"got {tuple(draft_probs.shape)}.")
+    if bonus_token_ids.numel() != batch:
+        raise ValueError(f"bonus_token_ids must be [batch={batch}, 1], got {tuple(bonus_token_ids.shape)}.")
+    temperature = sampling_metadata.temperature
+    if not sampling_metadata.all_greedy and (temperature is None or temperature.numel() != batch):
+        raise ValueError(f"sampling_metadata.temperature must be [batch={batch}] unless all greedy.")
+
+
+def _build_record(metadata, draft_probs, target_probs, target_argmax, uniform_probs, is_greedy,
+                  output) -> list[list[dict]]:
+    """The per-position decisions, gathered from the same tensors the kernels read."""
+    draft = metadata.draft_token_ids.long()
+    idx = draft.unsqueeze(-1)
+    counts = torch.tensor(metadata.num_draft_tokens, dtype=torch.long, device=draft.device)
+    greedy_tok = is_greedy.repeat_interleave(counts, output_size=draft.numel())
+    accepted = draft == target_argmax
+    if uniform_probs is not None:
+        accepted = torch.where(greedy_tok, accepted,
+                               random_accept_mask(draft, draft_probs, target_probs, uniform_probs))
+    p_target = target_probs.gather(-1, idx).squeeze(-1).tolist()
+    p_draft = ([1.0] * draft.numel() if draft_probs is None
+               else draft_probs.gather(-1, idx).squeeze(-1).tolist())
+    uniform = None if uniform_probs is None else uniform_probs.tolist()
+    greedy_tok, accepted, draft, out = greedy_tok.tolist(), accepted.tolist(), draft.tolist(), output.tolist()
+    records, start = [], 0
+    for i, n in enumerate(metadata.num_draft_tokens):
+        positions = []
+        for j in range(n):
+            t = start + j
+            positions.append(dict(
+                draft_token_id=draft[t], p_target=p_target[t], p_draft=p_draft[t],
+                uniform=None if greedy_tok[t] else uniform[t], accepted=accepted[t],
+                kind="accepted" if accepted[t] else "recovered", output_token_id=out[i][j]))
+            if not accepted[t]:
+                break
+        else:
+            positions.append(dict(draft_token_id=None, p_target=None, p_draft=None, uniform=None,
+                                  accepted=False, kind="bonus", output_token_id=out[i][n]))
+        records.append(positions)
+        start += n
+    return records

@@ -67,7 +67,8 @@ def run_cell(engine: str, dtype: str, workload: str, single_tokens: int) -> dict
             path, dtype=getattr(torch, dtype)).to(device).eval()
         enc = tok([p for p, _ in work], return_tensors="pt", padding=True).to(device)
         max_new = max(n for _, n in work)
-        gen = dict(do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
+        # No EOS for either engine (minivllm: ignore_eos), so both produce every requested token.
+        gen = dict(do_sample=False, max_new_tokens=max_new, eos_token_id=None,
                    pad_token_id=tok.pad_token_id)
         with torch.no_grad():
             model.generate(**tok([work[0][0]], return_tensors="pt").to(device),

@@ -287,8 +287,8 @@ def test_record_matches_decisions_and_trace():
         out = _run(sampler, drafts, draft_probs, logits, SamplingMetadata.from_params(params),
                    torch.tensor([[0], [1], [2], [3]]))
     records = sampler.last_record
-    assert [e["positions"] for e in tracer.events("spec_verify")] == records
-    assert [e["req_index"] for e in tracer.events("spec_verify")] == [0, 1, 2, 3]
+    # The model runner turns last_record into "spec_verify" events keyed by request id.
+    assert tracer.events("spec_verify") == [] and len(records) == 4
     for i, positions in enumerate(records):
         assert [p["output_token_id"] for p in positions] == parse_output(out[i:i + 1], vocab)[0]
         for j, p in enumerate(positions):

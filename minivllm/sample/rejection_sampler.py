@@ -185,8 +185,7 @@ def _is_greedy(sampling_metadata: SamplingMetadata, batch_size: int, device) -> 
 class RejectionSampler(nn.Module):
     """``backend``: "torch", "triton", or "auto" (Triton on CUDA, the torch reference otherwise).
 
-    With ``record = True`` (or inside a recording trace step, which also gets one ``"spec_verify"``
-    event per request, ``req_index`` = row) each call leaves ``last_record``: per request, per
+    With ``record = True`` (or inside a recording trace step) each call leaves ``last_record``: per request, per
     position up to and including the emitted token, a dict with draft_token_id (None for a bonus),
     p_target, p_draft (1.0 for one-hot drafts; None for a bonus), uniform (None on greedy rows and for
     a bonus), accepted (False for a bonus: no draft was tested), kind ("accepted" | "recovered" |
@@ -223,9 +222,8 @@ class RejectionSampler(nn.Module):
         if self.record or trace.is_recording():
             records = _build_record(metadata, draft_probs, target_probs, target_argmax, uniform_probs,
                                     _is_greedy(sampling_metadata, output.shape[0], output.device), output)
+            # The model runner turns these into "spec_verify" trace events keyed by request id.
             self.last_record = records
-            for i, positions in enumerate(records):
-                trace.record("spec_verify", req_index=i, positions=positions)
         return output
 
     @staticmethod

@@ -166,11 +166,15 @@ class Scheduler:
                     break
                 num_new_tokens = min(num_new_tokens, token_budget)
 
+                # vLLM reserves no lookahead for a fresh request, to keep P and D block counts
+                # equal under P/D; minivllm's draft model proposes right after the prefill, so it
+                # gets its lookahead slots now unless a KV connector is in play.
+                effective_lookahead_tokens = (0 if self.connector is not None
+                                              else self.num_lookahead_tokens)
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request, num_new_tokens + num_external_computed_tokens,
                     num_new_local_computed_tokens, new_computed_blocks,
-                    # 0 for a fresh request keeps P and D block counts equal (vLLM's rule).
-                    num_lookahead_tokens=0)
+                    num_lookahead_tokens=effective_lookahead_tokens)
                 if new_blocks is None:
                     break   # stays at the head of `waiting`
                 if self.connector is not None:

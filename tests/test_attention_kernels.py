@@ -104,6 +104,7 @@ def test_unified_attention_matches_naive_and_triton(num_heads, num_kv_heads, hea
 
 @pytest.mark.parametrize("seqs", [
     [(20, 20)],                            # one prefill longer than a query tile
+    [(1, 37)], [(6, 25)],                  # a lone decode, a lone prefill chunk
     [(1, 9), (1, 33), (1, 2), (1, 16)],   # pure decode
     [(4, 9), (4, 30), (4, 4)],            # spec-decode verify only
     [(40, 40), (1, 50), (1, 3), (2, 30)], # long prefill next to decodes: the reference splits the batch
@@ -149,7 +150,7 @@ def test_reshape_and_cache_triton_matches_torch(dtype, num_kv_heads, head_dim, b
     # Strided key/value, as split from a fused projection.
     kv = torch.randn(num_tokens, 2 * num_kv_heads * head_dim + 8, generator=g).to(dtype)
     key = kv[:, :num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
-    value = kv[:, num_kv_heads * head_dim:2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = kv[:, num_kv_heads * head_dim:2 * num_kv_heads * head_dim].view_as(key)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
     slots[[0, 5, 16]] = -1                                  # padding tokens are skipped
     expected, got = cache.clone(), cache.clone()
@@ -162,6 +163,33 @@ def test_reshape_and_cache_triton_matches_torch(dtype, num_kv_heads, head_dim, b
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots[keep]] = False
     assert torch.equal(expected.flatten(1, 2)[:, untouched], cache.flatten(1, 2)[:, untouched])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_layer_prefill_then_decode(backend):
+    # Through minivllm.attention.layer.Attention: prefill 5 tokens, then decode 1, in a 4-block cache.
+    from minivllm.attention.layer import Attention
+    from minivllm.attention.metadata import AttentionMetadata
+    from minivllm.forward_context import set_forward_context
+    H, Hkv, D, bs = 4, 2, 16, 4
+    layer = Attention(H, D, D ** -0.5, Hkv, prefix="layers.0", backend=backend)
+    layer.kv_cache = torch.zeros(2, 4, bs, Hkv, D)
+    block_ids = torch.tensor([[3, 1]], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(6, n * D, generator=g) for n in (H, Hkv, Hkv))
+    outs = []
+    for tokens in (range(0, 5), range(5, 6)):
+        pos = torch.tensor(list(tokens))
+        md = AttentionMetadata(
+            num_actual_tokens=len(pos), query_start_loc=torch.tensor([0, len(pos)], dtype=torch.int32),
+            seq_lens=torch.tensor([tokens.stop], dtype=torch.int32), block_table=block_ids,
+            slot_mapping=block_ids[0, pos // bs].long() * bs + pos % bs,
+            max_query_len=len(pos), max_seq_len=tokens.stop)
+        with set_forward_context(md, {"layers.0": layer}):
+            outs.append(layer(q[pos], k[pos], v[pos]))
+    seqs = [(6, 6)]
+    expected = naive_attention(q.view(6, H, D), [k.view(6, Hkv, D)], [v.view(6, Hkv, D)], seqs, D ** -0.5)
+    torch.testing.assert_close(torch.cat(outs).double(), expected.view(6, H * D), **tol(torch.float32))
 
 
 def test_registry():

@@ -15,9 +15,11 @@ Shapes:
     seq_lens       [num_seqs] int32, context length including this step's query tokens
     query_start_loc [num_seqs + 1] int32, cumulative query lengths
 
-Speed matters here (it is what runs on a laptop), so nothing loops over tokens: every sequence's
-K/V is gathered from the cache with one ``index_select`` into a padded batch and attention is one
-``scaled_dot_product_attention`` call with an explicit mask.
+Speed matters here (it is what runs on a laptop), so nothing loops over tokens: the sequences' K/V
+are gathered from the cache with one ``index_select`` into a padded batch and attention is one
+``scaled_dot_product_attention`` call with an explicit causal mask (``_attend``). A lone sequence
+takes a shortcut with less bookkeeping (``_attend_single``), and a batch where padding would waste
+too much (a long prefill next to decodes) is split into a few such calls.
 """
 from __future__ import annotations
 
@@ -67,29 +69,29 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     seq_lens = seq_lens.long()
 
+    if num_seqs == 1:  # a lone request: nothing to pad, so cheaper bookkeeping
+        _attend_single(query, kv_cache, block_table, int(q_lens[0]), int(seq_lens[0]), scale, out)
+        return out
     # Schedule the work (results do not depend on it): one padded batch when padding costs little,
     # else the short queries together and each long query on its own.
     useful = int((q_lens * seq_lens).sum())
     if num_seqs * max_query_len * max_seq_len <= _MAX_PADDING_WASTE * useful:
-        groups = [None]
-    else:
-        short = q_lens <= _SHORT_QUERY_LEN
-        groups = [short.nonzero().flatten()] if bool(short.any()) else []
-        groups += [i.view(1) for i in (~short).nonzero().flatten()]
+        _attend(query, kv_cache, block_table, seq_lens, q_starts, q_lens,
+                max_query_len, max_seq_len, scale, out)
+        return out
+    short = q_lens <= _SHORT_QUERY_LEN
+    groups = [short.nonzero().flatten()] if bool(short.any()) else []
+    groups += [i.view(1) for i in (~short).nonzero().flatten()]
     for idx in groups:
-        if idx is None:
-            _attend(query, kv_cache, block_table, seq_lens, q_starts, q_lens,
-                    max_query_len, max_seq_len, scale, out)
-        else:
-            _attend(query, kv_cache, block_table[idx], seq_lens[idx], q_starts[idx], q_lens[idx],
-                    int(q_lens[idx].max()), int(seq_lens[idx].max()), scale, out)
+        _attend(query, kv_cache, block_table[idx], seq_lens[idx], q_starts[idx], q_lens[idx],
+                int(q_lens[idx].max()), int(seq_lens[idx].max()), scale, out)
     return out
 
 
 def _attend(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             seq_lens: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
             max_q: int, max_s: int, scale: float, out: torch.Tensor) -> None:
-    """Attention for a group of B sequences, padded to [B, max_q] queries x [B, max_s] keys; writes ``out``."""
+    """Attention for a group of B sequences padded to [B, max_q] queries x [B, max_s] keys, into ``out``."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     group = num_heads // num_kv_heads        # query heads per kv head (GQA)
@@ -133,6 +135,26 @@ def _attend(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
     o = o.reshape(B, max_q, num_heads, head_dim)
 
     out.index_copy_(0, tok[q_valid], o[q_valid].to(out.dtype))
+
+
+def _attend_single(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                   q_len: int, seq_len: int, scale: float, out: torch.Tensor) -> None:
+    """``_attend`` for one sequence (query tokens 0..q_len-1): its K/V are its first whole blocks."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_blocks = -(-seq_len // block_size)
+    kv = kv_cache.index_select(1, block_table[0, :num_blocks]).flatten(1, 2)[:, :seq_len]
+    k, v = kv.to(query.dtype).transpose(1, 2).unsqueeze(1)        # each [1, kv_heads, seq_len, head_dim]
+    q = query[:q_len].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    q = q.reshape(1, num_kv_heads, group * q_len, head_dim)
+    mask = None                                                    # a decode sees the whole context
+    if q_len > 1:
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        mask = mask.expand(group, q_len, seq_len).reshape(1, 1, group * q_len, seq_len)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out[:q_len] = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).flatten(1, 2)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor, name: str) -> torch.Tensor:

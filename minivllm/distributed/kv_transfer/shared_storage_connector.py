@@ -147,7 +147,7 @@ class SharedStorageConnector(SharedStorageWorkerMixin, KVConnectorBase_V1):
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
     def get_stats(self) -> dict[str, Any]:
-        return {"role": self._role.name.lower(), **self._stats}
+        return dict(self._stats)
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:

@@ -64,11 +64,10 @@ class SharedStorageWorkerMixin:
                 self._loads.append((req, meta))
             except storage.KVStorageError as e:
                 self._load_failed(req, e)
-        if not self._layerwise:
-            for layer_name in self._kv_caches:
-                self._load_layer(layer_name)
-        self._record("start_load_kv", args={"layerwise": self._layerwise,
-                                            "req_ids": [r.req_id for r, _ in self._loads]})
+        req_ids = [r.req_id for r, _ in self._loads]
+        nbytes = 0 if self._layerwise else sum(self._load_layer(name) for name in self._kv_caches)
+        self._record("start_load_kv", args={"layerwise": self._layerwise, "req_ids": req_ids},
+                     bytes=nbytes)
 
     def _load_layer(self, layer_name: str) -> int:
         t0, nbytes = time.perf_counter(), 0

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from typing import Any
 
 import numpy as np

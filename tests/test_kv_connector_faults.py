@@ -25,12 +25,22 @@ def _garble_header(path):
         fh.write(b"\xff\xfe")
 
 
+def _edit_meta(folder, edit):
+    path = os.path.join(folder, "meta.json")
+    meta = json.loads(open(path).read())
+    edit(meta)
+    open(path, "w").write(json.dumps(meta))
+
+
 FAULTS = {
     "deleted layer file": lambda d, f: os.remove(f),
     "truncated layer file": lambda d, f: _truncate(f),
     "corrupt header": lambda d, f: _garble_header(f),
     "deleted meta.json": lambda d, f: os.remove(os.path.join(d, "meta.json")),
     "corrupt meta.json": lambda d, f: open(os.path.join(d, "meta.json"), "w").write("{not json"),
+    "meta.json lacks keys": lambda d, f: _edit_meta(d, lambda m: m.pop("num_kv_heads")),
+    "meta.json path in layer name": lambda d, f: _edit_meta(
+        d, lambda m: m["layers"].update({"../escape": {"nbytes": 1, "crc32": 0}})),
 }
 
 

@@ -38,6 +38,10 @@ _ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "n
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 
 
+_META_SCHEMA = {"model_fingerprint": str, "num_tokens": int, "token_ids": list, "num_kv_heads": int,
+                "head_dim": int, "dtype": str, "layers": dict}
+
+
 class KVStorageError(Exception):
     """A stored folder or layer file is missing, truncated, corrupt or from another model."""
 
@@ -138,6 +142,14 @@ def read_meta(folder: str) -> dict[str, Any]:
         raise KVStorageError(f"{folder}: unreadable {META_FILE} ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         raise KVStorageError(f"{folder}: {META_FILE} has an unknown format")
+    for key, kind in _META_SCHEMA.items():
+        if not isinstance(meta.get(key), kind):
+            raise KVStorageError(f"{folder}: {META_FILE} lacks a valid {key!r}")
+    for name, info in meta["layers"].items():
+        # Layer names become file names: no paths, and a size and CRC for each.
+        if os.sep in name or name.startswith(".") or not isinstance(info, dict) or not all(
+                isinstance(info.get(k), int) for k in ("nbytes", "crc32")):
+            raise KVStorageError(f"{folder}: {META_FILE} has a bad entry for layer {name!r}")
     return meta
 
 

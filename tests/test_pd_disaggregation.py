@@ -56,19 +56,21 @@ def reference(tiny_model_dirs):
     return {m: tokens(llm(m).generate(prompts(), GREEDY, use_tqdm=False)) for m in tiny_model_dirs}
 
 
-def run_pd(model, path, p_kw=None, d_kw=None, ps=None, d_model=None):
+def run_pd(model, path, extra=None, ps=None, d_model=None, **llm_kw):
     ps = ps or prompts()
-    p_out = llm(model, ktc(path, **(p_kw or {}))).generate(ps, PREFILL, use_tqdm=False)
-    d = llm(d_model or model, ktc(path, **(d_kw or {})))
+    p_out = llm(model, ktc(path, **(extra or {})), **llm_kw).generate(ps, PREFILL, use_tqdm=False)
+    d = llm(d_model or model, ktc(path, **(extra or {})), **llm_kw)
     return p_out, d, d.generate(ps, GREEDY, use_tqdm=False)
 
 
-@pytest.mark.parametrize("which,layerwise", [(0, False), (1, False), (1, True)],
-                         ids=["tiny_llama", "tiny_gqa", "tiny_gqa-layerwise"])
-def test_decode_after_load_equals_single_instance(tmp_path, tiny_model_dirs, reference, which, layerwise):
+@pytest.mark.parametrize("which,layerwise,budget", [(0, False, None), (1, False, None), (1, True, 16)],
+                         ids=["tiny_llama", "tiny_gqa", "tiny_gqa-layerwise-chunked"])
+def test_decode_after_load_equals_single_instance(tmp_path, tiny_model_dirs, reference, which,
+                                                  layerwise, budget):
+    """``budget``: max_num_batched_tokens=16 splits P's and D's longer prompts into chunks; P must
+    store each prefix in the step that completes it."""
     model = tiny_model_dirs[which]
-    kw = {"layerwise": layerwise}
-    p_out, d, d_out = run_pd(model, tmp_path, kw, kw)
+    p_out, d, d_out = run_pd(model, tmp_path, {"layerwise": layerwise}, max_num_batched_tokens=budget)
     assert tokens(d_out) == reference[model]
     assert [o.outputs[0].token_ids[0] for o in p_out] == [t[0] for t in reference[model]]
     # Every whole block below the last prompt token came from P, none was recomputed.

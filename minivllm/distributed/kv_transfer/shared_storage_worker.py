@@ -141,14 +141,17 @@ class SharedStorageWorkerMixin:
             meta = {"format": storage.FORMAT_VERSION, "model_fingerprint": self._fp(),
                     "num_tokens": len(req.token_ids), "token_ids": req.token_ids,
                     **layout_of(kv), "block_size": self._block_size}
+            t0 = time.perf_counter()
             try:
                 outcome = writer.commit(meta, lambda: self._is_valid(req.folder, req.token_ids))
             except OSError as e:
                 self._store_failed(req, e)
                 outcome = "failed"
-            self._stats["num_store_races_lost" if outcome == "exists" else "num_folders_committed"] += \
-                outcome != "failed"
-            if outcome in ("committed", "replaced"):
+            self._stats["save_time_s"] += time.perf_counter() - t0
+            if outcome == "exists":        # another producer published the same prefix first
+                self._stats["num_store_races_lost"] += 1
+            elif outcome != "failed":      # "committed", or "replaced" an invalid folder
+                self._stats["num_folders_committed"] += 1
                 self._stats["num_stored_tokens"] += len(req.token_ids)
             results[req.req_id] = outcome
         for writer in self._writers.values():

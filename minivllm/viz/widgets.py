@@ -1,0 +1,63 @@
+"""``StepSlider``: an ipywidgets ``IntSlider`` over a tracer's step records plus an ``Output`` that
+shows ``view(step_record)`` for the chosen step.
+
+``view`` is any function of one ``StepRecord``: it may return a matplotlib figure (shown, then
+closed), a string (printed) or an object with a rich display. The slider moves over the recorded
+steps only; nothing is recomputed.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from minivllm.trace import StepRecord
+from minivllm.viz.records import StepsLike, steps_of
+
+
+class StepSlider:
+    def __init__(self, tracer: StepsLike, view: Callable[..., Any], start: int = 0,
+                 description: str = "step", steps: Optional[list[int]] = None, **view_kwargs: Any):
+        """``steps``: indices into the recorded steps to offer (default: all of them)."""
+        import ipywidgets as widgets
+        self.steps: list[StepRecord] = steps_of(tracer)
+        self.indices = list(range(len(self.steps))) if steps is None else list(steps)
+        if not self.indices:
+            raise ValueError("StepSlider needs at least one step to show.")
+        self.view = view
+        self.view_kwargs = view_kwargs
+        self.slider = widgets.IntSlider(value=min(max(start, 0), len(self.indices) - 1), min=0,
+                                        max=len(self.indices) - 1, description=description,
+                                        continuous_update=False)
+        self.label = widgets.Label()
+        self.output = widgets.Output()
+        self.widget = widgets.VBox([widgets.HBox([self.slider, self.label]), self.output])
+        self.slider.observe(lambda change: self.update(), names="value")
+        self.update()
+
+    @property
+    def step(self) -> StepRecord:
+        """The record the slider points at."""
+        return self.steps[self.indices[self.slider.value]]
+
+    def render(self, i: Optional[int] = None) -> Any:
+        """``view`` applied to slider position ``i`` (default: the current one), not displayed."""
+        pos = self.slider.value if i is None else i
+        return self.view(self.steps[self.indices[pos]], **self.view_kwargs)
+
+    def update(self) -> None:
+        from IPython.display import display
+        self.label.value = f"engine step {self.step.step} ({self.slider.value + 1}/{len(self.indices)})"
+        self.output.clear_output(wait=True)
+        with self.output:
+            result = self.render()
+            if hasattr(result, "savefig"):
+                import matplotlib.pyplot as plt
+                display(result)
+                plt.close(result)
+            elif isinstance(result, str):
+                print(result)
+            elif result is not None:
+                display(result)
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+        display(self.widget)

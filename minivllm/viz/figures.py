@@ -23,7 +23,7 @@ from typing import Any, Optional
 from minivllm.viz.block_table import block_table_figure
 from minivllm.viz.pd import connector_timeline, pd_flow_figure
 from minivllm.viz.plots import acceptance_per_position_plot
-from minivllm.viz.records import steps_of
+from minivllm.viz.records import output_tokens_before, steps_of
 from minivllm.viz.spec import find_spec_verify, spec_step_figure
 
 FIGURES = ("block_table.png", "spec_decode_step.png", "acceptance_per_position.png",
@@ -39,6 +39,8 @@ SPEC_PROMPTS = [
     "yellow banana, red apple, green pear,",
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
     "The cat sat on the mat. The dog sat on the log. The cat sat on the mat. The dog",
+    "List: red apple, green pear, yellow banana, red apple, green pear, purple grape, red apple, "
+    "green pear, blue plum, red apple, green pear,",
 ]
 # The article's two prompts, each behind a sentence of context: the connector stores whole blocks
 # only (16 tokens each), and the article's prompts alone are shorter than one block.
@@ -69,18 +71,25 @@ def run_paged(model: Optional[str] = None, max_tokens: int = 20):
     return llm, engine.tracer
 
 
-def run_spec(model: Optional[str] = None, max_tokens: int = 32, match: str = "first",
-             temperature: float = 0.8, speculative_config: Optional[dict] = None):
-    """n-gram drafting (article config: k = 3, lookup 3..5 unless given) on SPEC_PROMPTS."""
-    from minivllm import SamplingParams
-    spec = speculative_config or {"method": "ngram", "prompt_lookup_max": 5, "prompt_lookup_min": 3,
-                                  "num_speculative_tokens": 3, "ngram_match": match}
-    llm = _llm(model, speculative_config=spec)
+def spec_llm(model: Optional[str] = None, match: str = "first", **spec: Any):
+    """An LLM with n-gram drafting (the article's config: k = 3, lookup 3..5), recording steps."""
+    cfg = {"method": "ngram", "prompt_lookup_max": 5, "prompt_lookup_min": 3,
+           "num_speculative_tokens": 3, "ngram_match": match, **spec}
+    llm = _llm(model, speculative_config=cfg)
     llm.llm_engine.tracer.enabled = True
+    return llm
+
+
+def run_spec(llm, temperature: float = 0.8, max_tokens: int = 32, prompts=None):
+    """Generate SPEC_PROMPTS (seeded per prompt); return (this run's step records, outputs)."""
+    from minivllm import SamplingParams
+    prompts = SPEC_PROMPTS if prompts is None else prompts
+    tracer = llm.llm_engine.tracer
+    tracer.clear()
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i, ignore_eos=True)
-              for i in range(len(SPEC_PROMPTS))]
-    outputs = llm.generate(SPEC_PROMPTS, params, use_tqdm=False)
-    return llm, llm.llm_engine.tracer, outputs
+              for i in range(len(prompts))]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return list(tracer.steps), outputs
 
 
 def run_pd(storage: str, model: Optional[str] = None, max_tokens: int = 8):
@@ -134,21 +143,25 @@ def main(out_dir: str = "figures", fast: bool = False, model: Optional[str] = No
     del llm
 
     n = 12 if fast else 32
-    llm, tracer, outputs = run_spec(model, max_tokens=n, match="first")
-    found = (find_spec_verify(tracer) or find_spec_verify(tracer, need_rejection=False)
-             or find_spec_verify(tracer, need_accept=False))
+    llm = spec_llm(model, match="first")
+    steps, outputs = run_spec(llm, temperature=0.8, max_tokens=n)
+    found = (find_spec_verify(steps) or find_spec_verify(steps, need_rejection=False)
+             or find_spec_verify(steps, need_accept=False))
     if found is None:
         raise RuntimeError("the speculative run verified no drafts; nothing to draw.")
-    s, req_id = tracer.steps[found[0]], found[1]
-    fig = spec_step_figure(s, req_id=req_id, tokenizer=llm.get_tokenizer())
+    i, req_id = found
+    # Request ids are the prompts' positions in generate(); the context is prompt + sampled so far.
+    context = outputs[int(req_id)].prompt_token_ids + output_tokens_before(steps, i, req_id)
+    fig = spec_step_figure(steps[i], req_id=req_id, tokenizer=llm.get_tokenizer(), context=context)
     written.append(_save(fig, out_dir, "spec_decode_step.png", dpi))
-    first_metrics = llm.get_metrics()
+    # Greedy runs for the first vs last comparison: their acceptance depends only on the rule.
+    first, _ = run_spec(llm, temperature=0.0, max_tokens=n)
     del llm
-    llm_last, _, _ = run_spec(model, max_tokens=n, match="last")
-    fig = acceptance_per_position_plot({"first match": first_metrics,
-                                        "last match": llm_last.get_metrics()})
+    last, _ = run_spec(spec_llm(model, match="last"), temperature=0.0, max_tokens=n)
+    fig = acceptance_per_position_plot({"first match": first, "last match": last})
+    fig.axes[0].set_title("n-gram drafts (k=3, lookup 3..5), greedy: acceptance per position",
+                          fontsize=10)
     written.append(_save(fig, out_dir, "acceptance_per_position.png", dpi))
-    del llm_last
 
     with tempfile.TemporaryDirectory() as storage:
         tp, td, _ = run_pd(storage, model, max_tokens=4 if fast else 8)

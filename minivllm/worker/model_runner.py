@@ -243,9 +243,8 @@ class ModelRunner:
             bonus = self.sampler(logits[spec_md.bonus_logits_indices], sampling_metadata)
             out = self.rejection_sampler(spec_md, None, logits[spec_md.target_logits_indices],
                                          bonus.view(-1, 1).to(torch.int32), sampling_metadata)
-            from minivllm.sample.rejection_sampler import RejectionSampler as _RS
-            sampled_token_ids = _RS.parse_output(out, logits.shape[-1])
-            sampled_token_ids = [[] if partial[i] else t for i, t in enumerate(sampled_token_ids)]
+            sampled_token_ids = RejectionSampler.parse_output(
+                out, logits.shape[-1], discard_req_indices=partial.nonzero()[0].tolist())
             if trace.is_recording() and self.rejection_sampler.last_record is not None:
                 for i, rec in enumerate(self.rejection_sampler.last_record):
                     if spec_md.num_draft_tokens[i]:

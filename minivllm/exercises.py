@@ -232,8 +232,10 @@ def check_num_blocks_to_allocate(fn: Callable) -> bool:
 
 
 # --------------------------------------------------------------------------- 4. spec-decode indices
-def _calc_spec_decode_reference(num_scheduled_tokens: list[int], num_draft_tokens: list[int]):
-    """Run ``ModelRunner._calc_spec_decode_metadata`` on a stand-in runner whose persistent batch holds
+def reference_spec_decode_logits_indices(num_scheduled_tokens: list[int], num_draft_tokens: list[int]):
+    """(logits_indices, target_logits_indices, bonus_logits_indices) as minivllm computes them.
+
+    Runs ``ModelRunner._calc_spec_decode_metadata`` on a stand-in runner whose persistent batch holds
     only what that method reads (its token ids do not affect the indices)."""
     from minivllm.worker.model_runner import ModelRunner
     n = len(num_scheduled_tokens)
@@ -278,7 +280,7 @@ def check_spec_decode_logits_indices(fn: Callable) -> bool:
             continue   # the model runner builds no spec metadata for a batch without drafts
         sched = [d + 1 if d else rng.randrange(1, 9) for d in drafts]
         kw = {"num_scheduled_tokens": sched, "num_draft_tokens": drafts}
-        expected = _calc_spec_decode_reference(sched, drafts)
+        expected = reference_spec_decode_logits_indices(sched, drafts)
         got = _call(name, fn, f"random case {n_ref}", kw)
         if _as_lists(got) != [list(e) for e in expected]:
             _fail(name, f"random case {n_ref}, answered by ModelRunner._calc_spec_decode_metadata",

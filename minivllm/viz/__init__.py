@@ -15,7 +15,8 @@ from minivllm.viz.pd import connector_timeline, pd_files_table, pd_flow_figure
 from minivllm.viz.plots import (acceptance_length_plot, acceptance_per_position_plot,
                                 acceptance_rates, kv_usage_plot, mean_acceptance_length,
                                 request_timeline_plot, token_budget_plot)
-from minivllm.viz.records import acceptance_counts, connector_calls, request_states, spec_verify_of
+from minivllm.viz.records import (acceptance_counts, connector_calls, output_tokens_before,
+                                   request_states, spec_verify_of)
 from minivllm.viz.spec import (find_spec_step, find_spec_verify, render_spec_step_text,
                                spec_step_figure)
 from minivllm.viz.widgets import StepSlider
@@ -23,7 +24,7 @@ from minivllm.viz.widgets import StepSlider
 __all__ = [
     "StepSlider", "acceptance_counts", "acceptance_length_plot", "acceptance_per_position_plot",
     "acceptance_rates", "block_table_figure", "connector_calls", "connector_timeline",
-    "find_spec_step", "find_spec_verify", "kv_usage_plot", "mean_acceptance_length", "parse_block_table_text",
+    "find_spec_step", "find_spec_verify", "kv_usage_plot", "mean_acceptance_length", "output_tokens_before", "parse_block_table_text",
     "pd_files_table", "pd_flow_figure", "render_block_table_text", "render_spec_step_text",
     "request_states", "request_timeline_plot", "spec_step_figure", "spec_verify_of",
     "token_budget_plot",

@@ -168,14 +168,13 @@ def acceptance_length_plot(source: AcceptanceSource, ax=None):
         emitted = np.asarray(counts["accepted_lengths"]) + 1
         freq = np.bincount(emitted, minlength=k + 2)[1:k + 2] / max(len(emitted), 1)
         xs = np.arange(1, k + 2) + (j - (len(runs) - 1) / 2) * width
-        bars = ax.bar(xs, freq, width=width, label=label or None)
         mal = mean_acceptance_length(counts)
+        name = f"{label}: " if label else ""
+        bars = ax.bar(xs, freq, width=width, label=f"{name}mean {mal:.2f} tokens per verify")
         ax.axvline(mal, linestyle="--", linewidth=1, color=bars.patches[0].get_facecolor())
-        ax.text(mal, 1.02, f" mean {mal:.2f}", fontsize=7, transform=ax.get_xaxis_transform())
     ax.set_xticks(range(1, k + 2))
     ax.set_xlabel("tokens emitted by one verify step (accepted drafts + 1)")
     ax.set_ylabel("share of verify steps")
-    if any(runs):
-        ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     return fig

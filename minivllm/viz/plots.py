@@ -146,10 +146,11 @@ def acceptance_per_position_plot(source: AcceptanceSource, ax=None):
             ax.text(b.get_x() + b.get_width() / 2, r, f"{r:.2f}", ha="center", va="bottom", fontsize=7)
     k = max(len(c["num_accepted_tokens_per_pos"]) for c in runs.values())
     ax.set_xticks(range(k), [f"draft {i}" for i in range(k)])
-    ax.set_ylim(0, 1.12)
+    ax.set_ylim(0, 1.12 + 0.1 * len(runs))
+    ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
     ax.set_ylabel("accepted / drafts")
     ax.set_title("Acceptance rate per draft position", fontsize=10)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="upper center", ncol=1)
     fig.tight_layout()
     return fig
 

@@ -129,6 +129,20 @@ def test_step_slider_shows_the_chosen_record(paged):
         StepSlider([], render_block_table_text)
 
 
+def test_step_slider_passes_control_values_to_the_view(spec):
+    import ipywidgets as widgets
+    _, tracer = spec
+    idx = [i for i, s in enumerate(tracer.steps) if spec_verify_of(s)]
+    position = widgets.IntSlider(value=0, min=0, max=3)
+    slider = StepSlider(tracer, spec_step_figure, steps=idx, controls={"position": position})
+    positions = next(iter(spec_verify_of(slider.step).values()))
+    for p in range(4):
+        position.value = p
+        fig = slider.render()
+        assert fig.axes[1].get_title().startswith(f"position {min(p, len(positions) - 1)}:")
+        plt.close(fig)
+
+
 def test_spec_records_are_deduplicated_and_match_engine_counters(spec):
     llm, tracer = spec
     verifies = [(s, r, pos) for s in tracer.steps for r, pos in spec_verify_of(s).items()]

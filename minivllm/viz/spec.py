@@ -108,7 +108,8 @@ def spec_step_figure(step: StepRecord, req_id: Optional[str] = None, position: O
                      tokenizer: Any = None, context: Optional[list[int]] = None, fig: Any = None):
     """Drafts coloured accepted / rejected / untested, the emitted tokens coloured accepted /
     recovered / bonus, and for ``position`` (default: the first rejection) p_target, p_draft and the
-    uniform draw behind the decision. ``context``: optional token ids shown before the drafts."""
+    uniform draw behind the decision (a position past the last emitted one shows the last, so a
+    slider can range over k + 1 positions). ``context``: optional token ids shown before the drafts."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
 
@@ -118,9 +119,9 @@ def spec_step_figure(step: StepRecord, req_id: Optional[str] = None, position: O
     req_id = req_id if req_id is not None else next(iter(verifies))
     rows = verify_rows(step, req_id)
     positions = rows["positions"]
-    position = default_position(positions) if position is None else position
-    if not 0 <= position < len(positions):
-        raise ValueError(f"position must be in [0, {len(positions)}), got {position}.")
+    position = default_position(positions) if position is None else min(position, len(positions) - 1)
+    if position < 0:
+        raise ValueError(f"position must be >= 0, got {position}.")
     if fig is None:
         fig = plt.figure(figsize=(10, 3.8))
     grid = fig.add_gridspec(1, 2, width_ratios=[2.3, 1])

@@ -15,8 +15,11 @@ from minivllm.viz.records import StepsLike, steps_of
 
 class StepSlider:
     def __init__(self, tracer: StepsLike, view: Callable[..., Any], start: int = 0,
-                 description: str = "step", steps: Optional[list[int]] = None, **view_kwargs: Any):
-        """``steps``: indices into the recorded steps to offer (default: all of them)."""
+                 description: str = "step", steps: Optional[list[int]] = None,
+                 controls: Optional[dict[str, Any]] = None, **view_kwargs: Any):
+        """``steps``: indices into the recorded steps to offer (default: all of them).
+        ``controls``: {keyword: ipywidget}; each widget's value is passed to ``view`` as that
+        keyword and redraws on change (e.g. ``{"position": IntSlider(...)}``)."""
         import ipywidgets as widgets
         self.steps: list[StepRecord] = steps_of(tracer)
         self.indices = list(range(len(self.steps))) if steps is None else list(steps)
@@ -24,13 +27,16 @@ class StepSlider:
             raise ValueError("StepSlider needs at least one step to show.")
         self.view = view
         self.view_kwargs = view_kwargs
+        self.controls = dict(controls or {})
         self.slider = widgets.IntSlider(value=min(max(start, 0), len(self.indices) - 1), min=0,
                                         max=len(self.indices) - 1, description=description,
                                         continuous_update=False)
         self.label = widgets.Label()
         self.output = widgets.Output()
-        self.widget = widgets.VBox([widgets.HBox([self.slider, self.label]), self.output])
-        self.slider.observe(lambda change: self.update(), names="value")
+        self.widget = widgets.VBox([widgets.HBox([self.slider, self.label, *self.controls.values()]),
+                                    self.output])
+        for w in [self.slider, *self.controls.values()]:
+            w.observe(lambda change: self.update(), names="value")
         self.update()
 
     @property
@@ -41,7 +47,8 @@ class StepSlider:
     def render(self, i: Optional[int] = None) -> Any:
         """``view`` applied to slider position ``i`` (default: the current one), not displayed."""
         pos = self.slider.value if i is None else i
-        return self.view(self.steps[self.indices[pos]], **self.view_kwargs)
+        kwargs = {**self.view_kwargs, **{k: w.value for k, w in self.controls.items()}}
+        return self.view(self.steps[self.indices[pos]], **kwargs)
 
     def update(self) -> None:
         from IPython.display import display

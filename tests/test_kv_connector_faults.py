@@ -87,21 +87,20 @@ def _flip_data_byte(path):
 
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_load_failure_after_lookup_reports_invalid_blocks(tmp_path, layerwise):
-    """Bytes flipped inside the data (size and header intact): only the checksum at load time sees
-    it. The scheduler already counted the tokens, so the blocks come back as invalid."""
+    """Bytes flipped inside the data (size and header intact). By default the scheduler's lookup
+    reads every byte and refuses the folder; with verify_on_lookup=False only the CRC check at
+    load time sees it: the tokens were already counted, so the blocks come back as invalid."""
     ids = prompt(13)
     Instance(tmp_path).step([req("p", ids)])
     _flip_data_byte(layer_file(tmp_path, ids[:12], 1))
-    dec = Instance(tmp_path, first_block=20, layerwise=layerwise)
+    with pytest.warns(RuntimeWarning, match="checksum"):
+        assert Instance(tmp_path).sched.get_num_new_matched_tokens(req("d", ids), 0) == (0, False)
+    dec = Instance(tmp_path, first_block=20, layerwise=layerwise, verify_on_lookup=False)
     with pytest.warns(RuntimeWarning, match="checksum"):
         so, out = dec.step([req("d", ids)])
     assert dec.sched.get_stats()["num_matched_tokens"] == 12
     assert out.invalid_block_ids == {20, 21, 22} and not out.is_empty()
     assert dec.worker.get_stats()["num_load_errors"] == 1
-    # verify_on_lookup: the scheduler reads every byte, so nothing is counted in the first place.
-    strict = Instance(tmp_path, verify_on_lookup=True)
-    with pytest.warns(RuntimeWarning, match="checksum"):
-        assert strict.sched.get_num_new_matched_tokens(req("d", ids), 0) == (0, False)
 
 
 def test_folder_deleted_between_lookup_and_load(tmp_path):

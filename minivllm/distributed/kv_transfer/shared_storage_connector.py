@@ -9,11 +9,13 @@ decode (D) loads it, synchronously, whole blocks only; the last prompt token is 
   P's length is a multiple of bs (vLLM then looks up one folder and loads another);
 - the match is clamped at 0, and only blocks beyond the local prefix hit are written;
 - a store is emitted in the step whose forward completes the prefix (chunked prefill);
-- bad folders (missing, truncated, corrupt, another model) are skipped at lookup with a warning; a
-  layer that still fails at load time is reported by ``get_block_ids_with_load_errors()``.
+- bad folders (missing, truncated, corrupt, another model) are skipped at lookup with a warning,
+  so they are recomputed; a layer that still fails at load time (a file changed after the lookup)
+  is reported by ``get_block_ids_with_load_errors()``.
 ``kv_connector_extra_config``: ``shared_storage_path`` (required); ``layerwise`` (load each layer in
-``wait_for_layer_load`` instead of all in ``start_load_kv``); ``verify_on_lookup`` (the scheduler
-also checks every file's CRC32, so a counted load cannot fail on corrupt bytes).
+``wait_for_layer_load`` instead of all in ``start_load_kv``); ``verify_on_lookup`` (default True:
+the scheduler checks every file's CRC32, so corrupt bytes are never counted as computed; False
+checks only metadata, headers and sizes, and leaves the CRC to the load).
 """
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ class SharedStorageConnector(SharedStorageWorkerMixin, KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._storage_path = ktc.get_from_extra_config("shared_storage_path", "/tmp")
         self._layerwise = bool(ktc.get_from_extra_config("layerwise", False))
-        self._verify_on_lookup = bool(ktc.get_from_extra_config("verify_on_lookup", False))
+        self._verify_on_lookup = bool(ktc.get_from_extra_config("verify_on_lookup", True))
         self._is_producer, self._is_consumer = ktc.is_kv_producer, ktc.is_kv_consumer
         self._fingerprint: Optional[str] = None   # lazily: hf_config is loaded after construction
         # Scheduler state.
@@ -114,7 +116,7 @@ class SharedStorageConnector(SharedStorageWorkerMixin, KVConnectorBase_V1):
             raise ValueError(f"kv_transfer_config.kv_connector_extra_config has unknown keys {unknown}; "
                              f"SharedStorageConnector accepts {list(EXTRA_CONFIG_KEYS)}.")
         for key in ("layerwise", "verify_on_lookup"):
-            if not isinstance(extra.get(key, False), bool):
+            if not isinstance(extra.get(key, True), bool):
                 raise ValueError(f"kv_transfer_config.kv_connector_extra_config['{key}'] must be a bool.")
         path = extra.get("shared_storage_path")
         field_name = "kv_transfer_config.kv_connector_extra_config['shared_storage_path']"

@@ -1,5 +1,6 @@
-"""Draft-model speculative decoding: a smaller LM proposes k tokens greedily, mirroring
-vllm/v1/spec_decode/draft_model.py (and the k-pass loop of eagle.py's ``EagleProposer.propose``).
+"""Draft-model speculative decoding: a smaller LM proposes k tokens greedily. Mirrors
+vllm/v1/spec_decode/draft_model.py ``DraftModelProposer`` (added to V1 after the article, which says
+V1 has no draft-model method) and the k-pass loop of eagle.py's ``EagleProposer.propose``.
 
 Two ways to get a draft model (``speculative_config``, method ``"draft_model"``):
 - ``model``: a separate, smaller Llama-family checkpoint with the target's vocabulary;
@@ -10,9 +11,8 @@ KV cache. The draft model keeps its own paged cache (one ``[2, num_blocks, block
 head_dim]`` tensor per draft layer) addressed through the *same* block tables as the target: a
 request's position ``p`` lives in the same slot in both caches. The scheduler reserves
 ``num_lookahead_tokens = k`` extra slots (``SpeculativeConfig.needs_lookahead_slots``) so the draft
-can write the KV of its own drafts; where a row has fewer slots (a fresh request right after its
-prefill gets no lookahead, vLLM's rule), it drafts fewer tokens. Nothing is ever written outside
-the row's allocated blocks.
+can write the KV of its own drafts; where a row has fewer slots (under P/D a fresh request gets no
+lookahead, vLLM's rule), it drafts fewer tokens. Nothing is written outside the row's blocks.
 
 One ``propose_for_batch`` call, per engine step, after the target sampled:
 1. catch-up, one multi-token pass over every row: feed the positions whose draft KV is not valid yet,
@@ -178,7 +178,8 @@ class DraftModelProposer:
         positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)])
         input_ids = batch.token_ids_cpu[req_idx, positions].astype(np.int64)
         for i, row in enumerate(rows):
-            self.states[batch.req_ids[row]].record(starts[i], batch.token_ids_cpu[row, starts[i]:ends[i]])
+            fed = batch.token_ids_cpu[row, starts[i]:ends[i]]
+            self.states[batch.req_ids[row]].record(starts[i], fed)
         drafting = [i for i, n in enumerate(num_drafts) if n > 0]
         last_idx = np.cumsum(lens)[drafting] - 1
         tokens = self._forward(batch, rows_a, lens, ends_a, req_idx, positions, input_ids, last_idx)

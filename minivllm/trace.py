@@ -14,7 +14,7 @@ Event kinds (each a plain dict with ``"kind"`` plus the fields listed):
 - ``"preempt"``: req_id, num_computed_tokens_before
 - ``"spec_propose"``: drafts {req_id: [token ids]}
 - ``"spec_verify"``: req_id, positions [ {draft_token_id, p_target, p_draft, uniform, accepted, kind,
-  output_token_id} ]  (kind in accepted | rejected | recovered | bonus)
+  output_token_id} ]  (kind in accepted | recovered | bonus)
 - ``"connector"``: role, method, req_id (optional), args, result, bytes
 - ``"sampled"``: {req_id: [token ids appended this step]}
 """

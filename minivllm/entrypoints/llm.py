@@ -60,10 +60,8 @@ class LLM:
                                    kv_cache_memory_bytes=kv_cache_memory_bytes)
         spec = SpeculativeConfig.from_dict(speculative_config)
         if kv_transfer_config is not None:
-            if isinstance(kv_transfer_config, dict):
-                kv_transfer_config = KVTransferConfig(**kv_transfer_config)
             from minivllm.distributed.kv_transfer.factory import validate_kv_transfer_config
-            validate_kv_transfer_config(kv_transfer_config)
+            kv_transfer_config = validate_kv_transfer_config(kv_transfer_config)
 
         # 2. The checkpoint: resolve (GGUF conversion happens once), check it is Llama-family.
         from minivllm.model_executor.model_loader import (load_hf_config, load_tokenizer,

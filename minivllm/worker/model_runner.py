@@ -124,12 +124,14 @@ class ModelRunner:
                 batch.remove_requests({req_id})
             else:
                 state.block_ids.extend(new_ids)
-                # Drop tokens the scheduler discarded after a stop (the request is finished then).
+                # Drop tokens the scheduler did not keep (its output was discarded after a failed
+                # KV load, or came after a stop).
                 del state.output_token_ids[cached.num_output_tokens[i]:]
                 if req_id in batch.req_id_to_index:
                     row = batch.req_id_to_index[req_id]
                     batch.block_table.append_row(new_ids, row)
                     batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
+                    batch.num_tokens_no_spec[row] = batch.num_tokens[row] = state.num_tokens
         for req_id in so.num_scheduled_tokens:
             if req_id not in batch.req_id_to_index:
                 batch.add_request(self.requests[req_id])

@@ -20,7 +20,7 @@ from minivllm.config import VllmConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.kv_cache_utils import get_request_block_hasher
 from minivllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from minivllm.core.sched.utils import check_stop
+from minivllm.core.sched.utils import check_stop, record_schedule
 from minivllm.request import Request, RequestStatus
 from minivllm.spec_decode.metrics import SpecDecodingStats
 
@@ -82,9 +82,6 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
@@ -225,7 +222,7 @@ class Scheduler:
                 scheduler_output)
         self._update_after_schedule(scheduler_output)
         if trace.is_recording():
-            self._record_schedule(scheduler_output, token_budget)
+            record_schedule(self, scheduler_output, token_budget)
         return scheduler_output
 
     def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],
@@ -269,9 +266,12 @@ class Scheduler:
         outputs: list[tuple[Request, list[int]]] = []
         stopped: set[str] = set()
         sampled = model_runner_output.sampled_token_ids
+        kv_out = model_runner_output.kv_connector_output
+        failed = self._handle_invalid_blocks(kv_out.invalid_block_ids) if (
+            kv_out is not None and kv_out.invalid_block_ids) else set()
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
-            if request is None or request.is_finished():
+            if request is None or request.is_finished() or req_id in failed:
                 continue
             generated = sampled[model_runner_output.req_id_to_index[req_id]]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
@@ -293,6 +293,26 @@ class Scheduler:
         if stopped:
             self.running = [r for r in self.running if r.request_id not in stopped]
         return outputs
+
+    def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:
+        """External KV that failed to load after it was counted as computed (vLLM's
+        ``_handle_invalid_blocks``): cut each affected request back to its first invalid block so
+        the next step recomputes from there; its output this step was computed on bad KV."""
+        affected = set()
+        for request in self.running:
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]
+            num_blocks = -(-request.num_computed_tokens // self.block_size)
+            bad = [i for i, b in enumerate(block_ids[:num_blocks]) if b in invalid_block_ids]
+            if not bad:
+                continue
+            valid = bad[0] * self.block_size
+            lost = request.num_computed_tokens - valid
+            request.num_computed_tokens = valid
+            request.num_cached_tokens = min(request.num_cached_tokens, valid)
+            request.num_external_computed_tokens = max(
+                0, request.num_external_computed_tokens - lost)
+            affected.add(request.request_id)
+        return affected
 
     def _update_request_with_output(self, request: Request,
                                     new_token_ids: list[int]) -> tuple[list[int], bool]:
@@ -326,21 +346,3 @@ class Scheduler:
                      eos_token_id: Optional[int], prompt: Optional[str] = None) -> Request:
         return Request(request_id, prompt_token_ids, sampling_params, eos_token_id,
                        block_hasher=self.block_hasher, prompt=prompt)
-
-    # ------------------------------------------------------------------ trace
-    def _record_schedule(self, so: SchedulerOutput, token_budget: int) -> None:
-        trace.record(
-            "schedule", num_scheduled_tokens=dict(so.num_scheduled_tokens),
-            scheduled_spec_decode_tokens={k: list(v) for k, v in
-                                          so.scheduled_spec_decode_tokens.items()},
-            preempted_req_ids=sorted(so.preempted_req_ids),
-            new_req_ids=[r.req_id for r in so.scheduled_new_reqs],
-            resumed_req_ids=sorted(so.scheduled_cached_reqs.resumed_req_ids),
-            total_num_scheduled_tokens=so.total_num_scheduled_tokens,
-            token_budget=self.max_num_scheduled_tokens, token_budget_left=token_budget,
-            running=[r.request_id for r in self.running],
-            waiting=[r.request_id for r in self.waiting])
-        ids = [r.request_id for r in self.running]
-        snap = self.kv_cache_manager.snapshot(ids)
-        snap["num_computed_tokens"] = {r.request_id: r.num_computed_tokens for r in self.running}
-        trace.record("kv_cache", **snap)

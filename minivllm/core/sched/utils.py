@@ -1,8 +1,9 @@
 """Stop checks, mirroring vllm/v1/core/sched/utils.py ``check_stop``."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+from minivllm import trace
 from minivllm.request import Request, RequestStatus
 
 
@@ -33,3 +34,22 @@ def check_stop(request: Request, max_model_len: int,
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
+
+
+def record_schedule(scheduler: Any, so: Any, token_budget: int) -> None:
+    """The "schedule" and "kv_cache" step records (minivllm/trace.py) for one schedule() call."""
+    trace.record(
+        "schedule", num_scheduled_tokens=dict(so.num_scheduled_tokens),
+        scheduled_spec_decode_tokens={k: list(v) for k, v in
+                                      so.scheduled_spec_decode_tokens.items()},
+        preempted_req_ids=sorted(so.preempted_req_ids),
+        new_req_ids=[r.req_id for r in so.scheduled_new_reqs],
+        resumed_req_ids=sorted(so.scheduled_cached_reqs.resumed_req_ids),
+        total_num_scheduled_tokens=so.total_num_scheduled_tokens,
+        token_budget=scheduler.max_num_scheduled_tokens, token_budget_left=token_budget,
+        running=[r.request_id for r in scheduler.running],
+        waiting=[r.request_id for r in scheduler.waiting])
+    ids = [r.request_id for r in scheduler.running]
+    snap = scheduler.kv_cache_manager.snapshot(ids)
+    snap["num_computed_tokens"] = {r.request_id: r.num_computed_tokens for r in scheduler.running}
+    trace.record("kv_cache", **snap)

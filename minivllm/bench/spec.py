@@ -147,14 +147,14 @@ class HFRunner:
         return res
 
 
-def _fmt_row(name, cell, res, plain) -> str:
+def _fmt_row(name, cell, res, plain, pos_width) -> str:
     tps = res["tokens"] / res["time"]
     speedup = tps / (plain["tokens"] / plain["time"])
-    same = sum(a == b for a, b in zip(res["outputs"], plain["outputs"]))
+    same = f"{sum(a == b for a, b in zip(res['outputs'], plain['outputs']))}/{len(res['outputs'])}"
     acc = f"{res['acc_len']:.2f}" if res.get("acc_len") else "-"
     per_pos = " ".join(f"{p:.2f}" for p in res["per_pos"]) if res.get("per_pos") else "-"
     return (f"{cell[0]:<9}{cell[1]:>6}  {name:<18}{tps:>8.1f}{speedup:>8.2f}x"
-            f"{res['tok_fwd']:>8.2f}{acc:>8}  {per_pos:<16}{same:>3}/{len(res['outputs'])}")
+            f"{res['tok_fwd']:>8.2f}{acc:>8}  {per_pos:<{pos_width}}{same:>6}")
 
 
 def main(argv=None) -> None:
@@ -230,12 +230,13 @@ def main(argv=None) -> None:
         if best is None or res["time"] < best["time"]:
             results[(name, cell)] = res
 
+    width = max(16, 5 * k + 1)
     print(f"\n{'prompts':<9}{'batch':>6}  {'method':<18}{'tok/s':>8}{'vs plain':>9}{'tok/fwd':>8}"
-          f"{'acc len':>8}  {'acc per pos':<16}{'=plain':>6}")
+          f"{'acc len':>8}  {'acc per pos':<{width}}{'=plain':>6}")
     for cell in cells:
         for name in runners:
             if (name, cell) in results:
-                print(_fmt_row(name, cell, results[(name, cell)], results[("plain", cell)]))
+                print(_fmt_row(name, cell, results[(name, cell)], results[("plain", cell)], width))
         print()
     if not args.no_hf:
         for cell in [c for c in cells if c[1] == 1]:

@@ -124,7 +124,8 @@ class DraftModelProposer:
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         for layer in self.model.attn_layers().values():
-            layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads,
+            # Uninitialised like the target's cache: attention reads only written slots.
+            layer.kv_cache = torch.empty(2, num_blocks, block_size, layer.num_kv_heads,
                                          layer.head_dim, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------ proposing

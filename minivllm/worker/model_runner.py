@@ -87,8 +87,10 @@ class ModelRunner:
         """Allocate one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer."""
         self.kv_caches = []
         for layer in self.model.attn_layers().values():
-            # Zeros, not empty: masked-out positions must never hold NaN garbage.
-            layer.kv_cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads,
+            # Uninitialised on purpose: both attention backends only read slots that were
+            # written (tests fill unused slots with NaN to prove it), and untouched pages of a
+            # large cache then cost no memory.
+            layer.kv_cache = torch.empty(2, num_blocks, self.block_size, layer.num_kv_heads,
                                          layer.head_dim, dtype=self.dtype, device=self.device)
             self.kv_caches.append(layer.kv_cache)
         if hasattr(self.drafter, "initialize_kv_cache"):

@@ -20,10 +20,8 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 
 def init_worker_distributed_environment(vllm_config: VllmConfig) -> Any:
-    """Single process, single device: the only distributed state is the KV connector (role WORKER)."""
-    ktc = vllm_config.kv_transfer_config
-    if ktc is None or not ktc.kv_connector:
-        return None
+    """Single process, single device: the only distributed state is the KV connector (role WORKER),
+    or ``None`` without a ``kv_transfer_config``."""
     from minivllm.distributed.kv_transfer import ensure_kv_transfer_initialized
     return ensure_kv_transfer_initialized(vllm_config)
 

@@ -23,7 +23,7 @@ from minivllm.forward_context import get_forward_context, set_forward_context
 
 __all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorOutput", "KVConnectorRole",
            "KVConnectorFactory", "validate_kv_transfer_config", "ensure_kv_transfer_initialized",
-           "init_worker_distributed_environment", "maybe_get_kv_connector_output",
+           "maybe_get_kv_connector_output",
            "kv_connector_no_forward"]
 
 
@@ -34,11 +34,6 @@ def ensure_kv_transfer_initialized(vllm_config: Any, kv_cache_config: Any = None
     if ktc is None or not ktc.kv_connector:
         return None
     return KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-
-
-def init_worker_distributed_environment(vllm_config: Any) -> Optional[KVConnectorBase_V1]:
-    """One process, one device: the only distributed state to set up is the KV connector."""
-    return ensure_kv_transfer_initialized(vllm_config)
 
 
 @contextmanager

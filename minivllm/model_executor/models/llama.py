@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention.layer import Attention
+from minivllm.model_executor.linear import Linear
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -124,9 +125,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"Llama MLP supports hidden_act='silu' only, got {hidden_act!r}.")
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # SwiGLU; vLLM runs gate_up_proj then SiluAndMul.
@@ -146,10 +147,10 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False))
-        self.q_proj = nn.Linear(hidden, self.q_size, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.kv_size, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
+        self.q_proj = Linear(hidden, self.q_size, bias=bias)
+        self.k_proj = Linear(hidden, self.kv_size, bias=bias)
+        self.v_proj = Linear(hidden, self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=bias)
         self.rotary_emb = RotaryEmbedding(self.head_dim, *rope_config(config))
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                               self.num_kv_heads, prefix=f"{prefix}.attn", backend=attention_backend)
@@ -219,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = num_layers
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.model = LlamaModel(hf_config, attention_backend, num_layers)
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -16,6 +16,7 @@ Event kinds (each a plain dict with ``"kind"`` plus the fields listed):
 - ``"spec_verify"``: req_id, positions [ {draft_token_id, p_target, p_draft, uniform, accepted, kind,
   output_token_id} ]  (kind in accepted | recovered | bonus)
 - ``"connector"``: role, method, req_id (optional), args, result, bytes
+- ``"slot_mapping"``: req_ids (batch row order), positions and slot_mapping of every scheduled token
 - ``"sampled"``: {req_id: [token ids appended this step]}
 """
 from __future__ import annotations

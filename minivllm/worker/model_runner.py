@@ -166,8 +166,9 @@ class ModelRunner:
             block_table=torch.from_numpy(batch.block_table.block_table[:n, :max_blocks]).to(dev),
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             max_query_len=int(num_sched.max()), max_seq_len=int(seq_lens.max()))
-        trace.record("slot_mapping", req_ids=list(batch.req_ids), positions=positions.tolist(),
-                     slot_mapping=slot_mapping.tolist())
+        if trace.is_recording():   # the lists are built only when someone records
+            trace.record("slot_mapping", req_ids=list(batch.req_ids), positions=positions.tolist(),
+                         slot_mapping=slot_mapping.tolist())
         num_draft = np.array([len(batch.spec_token_ids.get(r, [])) for r in batch.req_ids])
         spec_md = None
         if num_draft.any():
@@ -264,7 +265,8 @@ class ModelRunner:
             batch.token_ids_cpu[i, start:end] = toks[:end - start]
             batch.num_tokens_no_spec[i] = batch.num_tokens[i] = end
             self.requests[req_id].output_token_ids.extend(toks)
-        trace.record("sampled", sampled={r: sampled_token_ids[i] for i, r in enumerate(batch.req_ids)})
+        if trace.is_recording():
+            trace.record("sampled", sampled=dict(zip(batch.req_ids, sampled_token_ids)))
 
         if self.drafter is not None:
             self._draft_token_ids = self.propose_draft_token_ids(sampled_token_ids, so)

@@ -5,6 +5,8 @@ engine one step at a time; ``LLM.generate()`` is a loop over exactly these calls
 """
 from __future__ import annotations
 
+import copy
+
 from typing import Any, Optional, Union
 
 from minivllm.config import VllmConfig
@@ -55,7 +57,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: Optional[SamplingParams] = None) -> Request:
-        params = SamplingParams() if params is None else params
+        # A copy per request: the engine fills in per-request stop ids and max_tokens.
+        params = SamplingParams() if params is None else copy.copy(params)
+        params._all_stop_token_ids = set(params._all_stop_token_ids)
         text, token_ids = self.tokenize_prompt(prompt)
         max_model_len = self.vllm_config.model_config.max_model_len
         if not token_ids:

@@ -127,8 +127,7 @@ class LLM:
         for prompt, params in zip(prompts, params_list):
             req_id = str(self._request_counter)
             self._request_counter += 1
-            # Each request gets its own copy: the engine fills in per-request stop ids.
-            engine.add_request(req_id, prompt, _copy_params(params))
+            engine.add_request(req_id, prompt, params)
             ids.append(req_id)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
@@ -169,13 +168,6 @@ class LLM:
                 for name, value in connector.get_stats().items():
                     metrics.append(Counter(f"minivllm:kv_connector_{role}_{name}", value))
         return metrics
-
-
-def _copy_params(params: SamplingParams) -> SamplingParams:
-    import copy
-    new = copy.copy(params)
-    new._all_stop_token_ids = set(params._all_stop_token_ids)
-    return new
 
 
 def _generation_eos_ids(model_path: str) -> list[int]:

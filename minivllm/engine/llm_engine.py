@@ -55,11 +55,8 @@ class LLMEngine:
             raise ValueError("skip_tokenizer_init=True: give prompts as {'prompt_token_ids': [...]}.")
         return prompt, self.tokenizer.encode(prompt)
 
-    def add_request(self, request_id: str, prompt: PromptType,
-                    params: Optional[SamplingParams] = None) -> Request:
-        # A copy per request: the engine fills in per-request stop ids and max_tokens.
-        params = SamplingParams() if params is None else copy.copy(params)
-        params._all_stop_token_ids = set(params._all_stop_token_ids)
+    def validate_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """Tokenize and check one prompt (``ValueError`` naming the problem); nothing is queued."""
         text, token_ids = self.tokenize_prompt(prompt)
         max_model_len = self.vllm_config.model_config.max_model_len
         if not token_ids:
@@ -70,6 +67,15 @@ class LLMEngine:
         vocab = self.vllm_config.hf_config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt_token_ids must be in [0, {vocab}) for this model's vocabulary.")
+        return text, token_ids
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: Optional[SamplingParams] = None) -> Request:
+        # A copy per request: the engine fills in per-request stop ids and max_tokens.
+        params = SamplingParams() if params is None else copy.copy(params)
+        params._all_stop_token_ids = set(params._all_stop_token_ids)
+        text, token_ids = self.validate_prompt(prompt)
+        max_model_len = self.vllm_config.model_config.max_model_len
         if not params.ignore_eos and self.extra_eos_token_ids:
             params._all_stop_token_ids |= set(self.extra_eos_token_ids)
         if params.max_tokens is None:

@@ -119,9 +119,9 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for "
                                  f"{len(prompts)} prompts: give one, or one per prompt.")
-        # Validate every prompt before any of them runs.
+        # Validate every prompt before any of them is queued.
         for p in prompts:
-            self.llm_engine.tokenize_prompt(p)
+            self.llm_engine.validate_prompt(p)
         engine = self.llm_engine
         ids = []
         for prompt, params in zip(prompts, params_list):

@@ -66,9 +66,6 @@ class LLM:
         # 2. The checkpoint: resolve (GGUF conversion happens once), check it is Llama-family.
         from minivllm.model_executor.model_loader import (load_hf_config, load_tokenizer,
                                                           resolve_model_path)
-        if not os.path.exists(model) and (model.startswith((".", "/", "~")) or
-                                          model.endswith(".gguf")):
-            raise ValueError(f"model: path {model!r} does not exist.")
         model_path = resolve_model_path(model)
         hf_config = load_hf_config(model_path)
         limit = int(getattr(hf_config, "max_position_embeddings", 2048))

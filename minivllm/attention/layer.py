@@ -14,6 +14,8 @@ multi-token spec-decode verification alike; (4) a connector may save this layer'
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from torch import nn
 
@@ -58,3 +60,22 @@ class Attention(nn.Module):
         if transfer:
             connector.save_kv_layer(self.layer_name, self.kv_cache, md)
         return out.view(n, self.num_heads * self.head_dim)
+
+
+def kv_cache_bytes_per_token(layers: Iterable[Attention], dtype: torch.dtype) -> int:
+    """K and V of one token across ``layers``: the unit the worker sizes the paged cache in."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return sum(2 * layer.num_kv_heads * layer.head_dim * elem for layer in layers)
+
+
+def bind_kv_caches(layers: Iterable[Attention], num_blocks: int, block_size: int,
+                   dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Give each layer its paged cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+    caches = []
+    for layer in layers:
+        # Uninitialised on purpose: both attention backends only read slots that were written
+        # (tests fill unused slots with NaN to prove it), and untouched pages then cost no memory.
+        layer.kv_cache = torch.empty(2, num_blocks, block_size, layer.num_kv_heads,
+                                     layer.head_dim, dtype=dtype, device=device)
+        caches.append(layer.kv_cache)
+    return caches

@@ -36,6 +36,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from minivllm.attention.layer import bind_kv_caches, kv_cache_bytes_per_token
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.config import SpeculativeConfig, VllmConfig
 from minivllm.forward_context import set_forward_context
@@ -117,16 +118,12 @@ class DraftModelProposer:
         self.model = load_model(path, self.dtype, self.device, attention_backend=backend)
 
     def kv_cache_bytes_per_token(self) -> int:
-        layers = self.model.attn_layers().values()
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return sum(2 * layer.num_kv_heads * layer.head_dim * elem for layer in layers)
+        return kv_cache_bytes_per_token(self.model.attn_layers().values(), self.dtype)
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        for layer in self.model.attn_layers().values():
-            # Uninitialised like the target's cache: attention reads only written slots.
-            layer.kv_cache = torch.empty(2, num_blocks, block_size, layer.num_kv_heads,
-                                         layer.head_dim, dtype=self.dtype, device=self.device)
+        bind_kv_caches(self.model.attn_layers().values(), num_blocks, block_size, self.dtype,
+                       self.device)
 
     # ------------------------------------------------------------------ proposing
     def _sync_states(self, runner: Any, so: Any) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from minivllm import trace
+from minivllm.attention.layer import bind_kv_caches, kv_cache_bytes_per_token
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.config import VllmConfig
 from minivllm.core.sched.output import SchedulerOutput
@@ -75,24 +76,15 @@ class ModelRunner:
             self.drafter.load_model(self.model)
 
     def kv_cache_bytes_per_block(self) -> int:
-        cfg = self.model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        per_token = 2 * cfg.num_key_value_heads * head_dim * len(self.model.attn_layers())
-        per_token *= torch.tensor([], dtype=self.dtype).element_size()
+        per_token = kv_cache_bytes_per_token(self.model.attn_layers().values(), self.dtype)
         extra = self.drafter.kv_cache_bytes_per_token() if hasattr(
             self.drafter, "kv_cache_bytes_per_token") else 0
         return (per_token + extra) * self.block_size
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer."""
-        self.kv_caches = []
-        for layer in self.model.attn_layers().values():
-            # Uninitialised on purpose: both attention backends only read slots that were
-            # written (tests fill unused slots with NaN to prove it), and untouched pages of a
-            # large cache then cost no memory.
-            layer.kv_cache = torch.empty(2, num_blocks, self.block_size, layer.num_kv_heads,
-                                         layer.head_dim, dtype=self.dtype, device=self.device)
-            self.kv_caches.append(layer.kv_cache)
+        self.kv_caches = bind_kv_caches(self.model.attn_layers().values(), num_blocks,
+                                        self.block_size, self.dtype, self.device)
         if hasattr(self.drafter, "initialize_kv_cache"):
             self.drafter.initialize_kv_cache(num_blocks, self.block_size)
         if self.kv_connector is not None:

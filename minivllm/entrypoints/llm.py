@@ -52,6 +52,13 @@ class LLM:
                              f"got {attention_backend!r}.")
         if attention_backend == "auto":
             attention_backend = "triton" if device.startswith("cuda") else "torch"
+        if attention_backend == "triton":
+            # A Triton that cannot run here (e.g. TRITON_INTERPRET=0 on a CPU) fails now, with the
+            # fix, rather than inside the first forward pass.
+            from minivllm.triton_utils import triton_backend_problem
+            problem = triton_backend_problem(device)
+            if problem is not None:
+                raise ValueError(f"attention_backend='triton' cannot run on {device}: {problem}")
         model_config = ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
                                    skip_tokenizer_init=skip_tokenizer_init, seed=seed)
         cache_config = CacheConfig(block_size=block_size,

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from minivllm.triton_utils import tl, triton
+from minivllm.triton_utils import KernelLaunch, tl, triton
 
 _MAX_VOCAB_BLOCK = 4096
 
@@ -141,38 +141,87 @@ def expand_kernel(output_ptr, input_ptr, cu_num_tokens_ptr, replace_from, replac
 
 
 # ----------------------------------------------------------------------------------------------------
-# Launchers (same signatures as the torch references).
-
 def _probs_or_dummy(draft_probs: Optional[torch.Tensor], target_probs: torch.Tensor) -> torch.Tensor:
     # With NO_DRAFT_PROBS the pointer is never read; any tensor on the right device will do.
     return target_probs if draft_probs is None else draft_probs.contiguous()
 
 
+# Each ``*_launch`` maps inputs to one ``KernelLaunch`` (grid, arguments, constexprs); the launcher
+# runs it and ``minivllm.triton_aot`` compiles the same launch for GPU targets ahead of time.
+
+def expand_launch(output, x, cu_num_tokens, max_spec_len, replace_from=0,
+                  replace_to=0) -> KernelLaunch:
+    return KernelLaunch(
+        expand_kernel, (x.shape[0],),
+        dict(output_ptr=output, input_ptr=x, cu_num_tokens_ptr=cu_num_tokens,
+             replace_from=replace_from, replace_to=replace_to),
+        dict(MAX_NUM_TOKENS=triton.next_power_of_2(max_spec_len)))
+
+
+def rejection_greedy_sample_launch(output_token_ids, cu_num_draft_tokens, draft_token_ids,
+                                   target_argmax, bonus_token_ids, is_greedy,
+                                   max_spec_len) -> KernelLaunch:
+    return KernelLaunch(
+        rejection_greedy_sample_kernel, (output_token_ids.shape[0],),
+        dict(output_token_ids_ptr=output_token_ids, cu_num_draft_tokens_ptr=cu_num_draft_tokens,
+             draft_token_ids_ptr=draft_token_ids, target_argmax_ptr=target_argmax.to(torch.int32),
+             bonus_token_ids_ptr=bonus_token_ids.to(torch.int32).contiguous(),
+             is_greedy_ptr=is_greedy, max_spec_len=max_spec_len), {})
+
+
+def rejection_random_sample_launch(output_token_ids, cu_num_draft_tokens, draft_token_ids,
+                                   draft_probs, target_probs, bonus_token_ids, recovered_token_ids,
+                                   uniform_probs, is_greedy, max_spec_len) -> KernelLaunch:
+    target_probs = target_probs.contiguous()
+    return KernelLaunch(
+        rejection_random_sample_kernel, (output_token_ids.shape[0],),
+        dict(output_token_ids_ptr=output_token_ids, cu_num_draft_tokens_ptr=cu_num_draft_tokens,
+             draft_token_ids_ptr=draft_token_ids,
+             draft_probs_ptr=_probs_or_dummy(draft_probs, target_probs),
+             target_probs_ptr=target_probs,
+             bonus_token_ids_ptr=bonus_token_ids.to(torch.int32).contiguous(),
+             recovered_token_ids_ptr=recovered_token_ids, uniform_probs_ptr=uniform_probs,
+             is_greedy_ptr=is_greedy, max_spec_len=max_spec_len,
+             vocab_size=target_probs.shape[-1]),
+        dict(NO_DRAFT_PROBS=draft_probs is None))
+
+
+def sample_recovered_tokens_launch(recovered, cu_num_draft_tokens, draft_token_ids, draft_probs,
+                                   target_probs, q, max_spec_len) -> KernelLaunch:
+    target_probs = target_probs.contiguous()
+    vocab_size = target_probs.shape[-1]
+    return KernelLaunch(
+        sample_recovered_tokens_kernel, (cu_num_draft_tokens.shape[0], max_spec_len),
+        dict(recovered_token_ids_ptr=recovered, cu_num_draft_tokens_ptr=cu_num_draft_tokens,
+             draft_token_ids_ptr=draft_token_ids,
+             draft_probs_ptr=_probs_or_dummy(draft_probs, target_probs),
+             target_probs_ptr=target_probs, q_ptr=q.contiguous(), vocab_size=vocab_size),
+        dict(BLOCK_SIZE=min(triton.next_power_of_2(vocab_size), _MAX_VOCAB_BLOCK),
+             NO_DRAFT_PROBS=draft_probs is None))
+
+
+# Launchers (same signatures as the torch references).
+
 def expand_batch_to_tokens_triton(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
                                   max_spec_len: int, replace_from=0, replace_to=0) -> torch.Tensor:
     output = torch.empty(num_tokens, dtype=x.dtype, device=x.device)
     if num_tokens > 0:
-        expand_kernel[(x.shape[0],)](output, x, cu_num_tokens, replace_from, replace_to,
-                                     MAX_NUM_TOKENS=triton.next_power_of_2(max_spec_len))
+        expand_launch(output, x, cu_num_tokens, max_spec_len, replace_from, replace_to).run()
     return output
 
 
 def rejection_greedy_sample_triton(output_token_ids, cu_num_draft_tokens, draft_token_ids,
                                    target_argmax, bonus_token_ids, is_greedy, max_spec_len) -> None:
-    rejection_greedy_sample_kernel[(output_token_ids.shape[0],)](
-        output_token_ids, cu_num_draft_tokens, draft_token_ids, target_argmax.to(torch.int32),
-        bonus_token_ids.to(torch.int32).contiguous(), is_greedy, max_spec_len)
+    rejection_greedy_sample_launch(output_token_ids, cu_num_draft_tokens, draft_token_ids,
+                                   target_argmax, bonus_token_ids, is_greedy, max_spec_len).run()
 
 
 def rejection_random_sample_triton(output_token_ids, cu_num_draft_tokens, draft_token_ids,
                                    draft_probs, target_probs, bonus_token_ids, recovered_token_ids,
                                    uniform_probs, is_greedy, max_spec_len) -> None:
-    target_probs = target_probs.contiguous()
-    rejection_random_sample_kernel[(output_token_ids.shape[0],)](
-        output_token_ids, cu_num_draft_tokens, draft_token_ids,
-        _probs_or_dummy(draft_probs, target_probs), target_probs,
-        bonus_token_ids.to(torch.int32).contiguous(), recovered_token_ids, uniform_probs, is_greedy,
-        max_spec_len, target_probs.shape[-1], NO_DRAFT_PROBS=draft_probs is None)
+    rejection_random_sample_launch(output_token_ids, cu_num_draft_tokens, draft_token_ids,
+                                   draft_probs, target_probs, bonus_token_ids, recovered_token_ids,
+                                   uniform_probs, is_greedy, max_spec_len).run()
 
 
 def sample_recovered_tokens_triton(cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs,
@@ -180,11 +229,6 @@ def sample_recovered_tokens_triton(cu_num_draft_tokens, draft_token_ids, draft_p
     recovered = torch.empty_like(draft_token_ids)
     if draft_token_ids.numel() == 0:
         return recovered
-    target_probs = target_probs.contiguous()
-    vocab_size = target_probs.shape[-1]
-    sample_recovered_tokens_kernel[(cu_num_draft_tokens.shape[0], max_spec_len)](
-        recovered, cu_num_draft_tokens, draft_token_ids, _probs_or_dummy(draft_probs, target_probs),
-        target_probs, q.contiguous(), vocab_size,
-        BLOCK_SIZE=min(triton.next_power_of_2(vocab_size), _MAX_VOCAB_BLOCK),
-        NO_DRAFT_PROBS=draft_probs is None)
+    sample_recovered_tokens_launch(recovered, cu_num_draft_tokens, draft_token_ids, draft_probs,
+                                   target_probs, q, max_spec_len).run()
     return recovered

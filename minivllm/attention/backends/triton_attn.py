@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.triton_utils import INTERPRETED, triton, tl
+from minivllm.triton_utils import INTERPRETED, KernelLaunch, triton, tl
 
 
 @triton.jit
@@ -146,35 +146,42 @@ def kernel_unified_attention(
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+def reshape_and_cache_launch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                             slot_mapping: torch.Tensor) -> KernelLaunch:
+    """The ``reshape_and_cache_kernel`` call for these inputs (shared with ``minivllm.triton_aot``)."""
+    num_tokens, num_kv_heads, head_size = key.shape
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    return KernelLaunch(
+        reshape_and_cache_kernel, (num_tokens,),
+        dict(key_ptr=key, value_ptr=value, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
+             slot_mapping_ptr=slot_mapping,
+             stride_k_tok=key.stride(0), stride_k_head=key.stride(1),
+             stride_v_tok=value.stride(0), stride_v_head=value.stride(1),
+             stride_c_blk=key_cache.stride(0), stride_c_off=key_cache.stride(1),
+             stride_c_head=key_cache.stride(2),
+             num_kv_heads=num_kv_heads, head_size=head_size, block_size=kv_cache.shape[2]),
+        dict(KV_HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
+             HEAD_SIZE_PADDED=triton.next_power_of_2(head_size)))
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
     """Same contract as ``torch_ref.reshape_and_cache``."""
-    num_tokens, num_kv_heads, head_size = key.shape
-    if num_tokens == 0:
+    if key.shape[0] == 0:
         return
     assert key.stride(2) == 1 and value.stride(2) == 1 and kv_cache.stride(4) == 1
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
-    reshape_and_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        num_kv_heads, head_size, kv_cache.shape[2],
-        KV_HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
-        HEAD_SIZE_PADDED=triton.next_power_of_2(head_size),
-    )
+    reshape_and_cache_launch(key, value, kv_cache, slot_mapping).run()
 
 
-def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-                      max_seq_len: int, scale: float) -> torch.Tensor:
-    """Same contract as ``torch_ref.unified_attention``."""
+def unified_attention_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                             out: torch.Tensor, interpreted: bool = INTERPRETED) -> KernelLaunch:
+    """The ``kernel_unified_attention`` call for these inputs (shared with ``minivllm.triton_aot``).
+
+    ``interpreted``: the kernels run in Triton's interpreter, which forces float32 dots."""
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     num_seqs = seq_lens.shape[0]
-    out = torch.zeros_like(query)
-    if num_seqs == 0 or num_tokens == 0:
-        return out
-    assert query.stride(2) == 1 and kv_cache.stride(4) == 1 and block_table.stride(1) == 1
     num_queries_per_kv = num_heads // num_kv_heads
     # tl.dot wants tiles of at least 16 rows; BLOCK_Q query tokens fill them with their GQA group.
     BLOCK_M = max(16, triton.next_power_of_2(num_queries_per_kv))
@@ -182,17 +189,34 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     # Enough tiles for every sequence: sequence s starts at tile query_start_loc[s] // BLOCK_Q + s.
     total_q_blocks = num_tokens // BLOCK_Q + num_seqs
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    kernel_unified_attention[(total_q_blocks, num_kv_heads)](
-        out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        scale, num_seqs, (num_seqs - 1).bit_length(),
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
-        head_size, block_size,
-        num_queries_per_kv=num_queries_per_kv,
-        HEAD_SIZE_PADDED=max(16, triton.next_power_of_2(head_size)),
-        BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, TILE_SIZE=32,
-        # The interpreter cannot multiply bfloat16 (it stores it as uint16 and tl.dot multiplies the
-        # bit patterns, triton-lang/triton#11584), so there every dot runs in float32.
-        DOT_FP32=INTERPRETED or query.dtype == torch.float32,
-    )
+    return KernelLaunch(
+        kernel_unified_attention, (total_q_blocks, num_kv_heads),
+        dict(out_ptr=out, query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
+             block_tables_ptr=block_table, seq_lens_ptr=seq_lens,
+             query_start_loc_ptr=query_start_loc,
+             scale=float(scale), num_seqs=num_seqs, num_search_steps=(num_seqs - 1).bit_length(),
+             stride_q_tok=query.stride(0), stride_q_head=query.stride(1),
+             stride_o_tok=out.stride(0), stride_o_head=out.stride(1),
+             stride_c_blk=key_cache.stride(0), stride_c_off=key_cache.stride(1),
+             stride_c_head=key_cache.stride(2), stride_bt_seq=block_table.stride(0),
+             head_size=head_size, block_size=block_size),
+        dict(num_queries_per_kv=num_queries_per_kv,
+             HEAD_SIZE_PADDED=max(16, triton.next_power_of_2(head_size)),
+             BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, TILE_SIZE=32,
+             # The interpreter cannot multiply bfloat16 (it stores it as uint16 and tl.dot
+             # multiplies the bit patterns, triton-lang/triton#11584), so there every dot runs in
+             # float32.
+             DOT_FP32=interpreted or query.dtype == torch.float32))
+
+
+def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+                      max_seq_len: int, scale: float) -> torch.Tensor:
+    """Same contract as ``torch_ref.unified_attention``."""
+    out = torch.zeros_like(query)
+    if seq_lens.shape[0] == 0 or query.shape[0] == 0:
+        return out
+    assert query.stride(2) == 1 and kv_cache.stride(4) == 1 and block_table.stride(1) == 1
+    unified_attention_launch(query, kv_cache, block_table, seq_lens, query_start_loc, scale,
+                             out).run()
     return out

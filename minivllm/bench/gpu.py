@@ -3,6 +3,9 @@
 1. The Triton kernels *compiled* (not interpreted) against their torch references: paged attention
    (``kernel_unified_attention``, ``reshape_and_cache_kernel``) on random paged batches, and the
    rejection sampler's kernels, given the same random draws.
+   On a GPU also the attention kernel's time and achieved bandwidth, as a fraction of the GPU's
+   copy bandwidth (a 1 GiB device-to-device copy). ``--compile-only`` compiles every kernel
+   configuration ahead of time for sm_75/sm_80/sm_90 instead (no GPU needed: minivllm.triton_aot).
 2. The whole engine on random weights at SmolLM2-135M's shapes (no checkpoint travels to a GPU
    machine): greedy output with ``attention_backend="triton"`` against ``"torch"``, n-gram spec
    decoding against plain decoding, and decode throughput for 1 and 32 requests.
@@ -70,18 +73,44 @@ def check_attention(device: str, quick: bool) -> None:
             args = (block_table.to(device), seq_lens, qsl, max(q_lens), int(seq_lens.max()),
                     hd ** -0.5)
             ref = torch_ref.unified_attention(q, caches[0], *args)
-            t0 = time.perf_counter()
             out = triton_attn.unified_attention(q, caches[1], *args)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            ms = (time.perf_counter() - t0) * 1e3
             err = (out.float() - ref.float()).abs().max().item()
             tol = 2e-3 if dtype == torch.float32 else 3e-2
             same_cache = torch.equal(caches[0], caches[1])
+            speed = ""
+            if device == "cuda":   # bytes the kernel must read and write, over its time
+                ms = _cuda_ms(lambda: triton_attn.unified_attention(q, caches[1], *args))
+                nbytes = (2 * sum(s for _, s in seqs) * nkv * hd + 2 * q.numel()) * q.element_size()
+                gbs = nbytes / ms / 1e6
+                speed = (f", {ms:.3f} ms, {gbs:.0f} GB/s = {gbs / _copy_bandwidth_gbs():.0%} of "
+                         f"copy bandwidth")
             report(f"attention {str(dtype)[6:]} q={q_lens[:4]} heads {nh}/{nkv} hd {hd}",
                    err <= tol and same_cache,
-                   f"max|triton-torch|={err:.2e} (tol {tol}), cache equal={same_cache}, "
-                   f"{ms:.2f} ms")
+                   f"max|triton-torch|={err:.2e} (tol {tol}), cache equal={same_cache}{speed}")
+
+
+def _cuda_ms(fn, reps: int = 20) -> float:
+    """Mean milliseconds of ``fn`` on the GPU (CUDA events, after a warm-up call)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+_COPY_GBS: list[float] = []
+
+
+def _copy_bandwidth_gbs() -> float:
+    """This GPU's practical memory bandwidth: a 1 GiB device-to-device copy (read + write)."""
+    if not _COPY_GBS:
+        src = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        _COPY_GBS.append(2 * src.numel() / _cuda_ms(lambda: dst.copy_(src), reps=10) / 1e6)
+    return _COPY_GBS[0]
 
 
 def check_rejection_sampler(device: str, quick: bool) -> None:
@@ -159,11 +188,35 @@ def check_engine(device: str, quick: bool) -> None:
                    f"{batch * 128 / dt:.1f} output tokens/s (200-token prompts, 128 out)")
 
 
+def compile_only(jobs: int) -> int:
+    """Print the ahead-of-time compile table; non-zero exit on any compile error or misfit."""
+    from minivllm.triton_aot import aot_cases, compile_all, format_table
+    t0 = time.perf_counter()
+    print(f"Compiling {len(aot_cases())} kernel configurations for sm_75, sm_80 and sm_90 "
+          f"({jobs} processes) ...", flush=True)
+    results = compile_all(jobs=jobs)
+    print("Each cell: registers per thread / spilled bytes per thread / shared memory KiB, and "
+          "whether it fits the architecture. default = bfloat16 KV, block size 16 (CUDA default).\n")
+    print(format_table(results))
+    failed = [r for r in results if not r.fits]
+    spills = [r for r in results if r.default and r.arch >= 80 and r.spill_stores]
+    print(f"\n{len(results)} compiles in {time.perf_counter() - t0:.0f} s: "
+          f"{len(results) - len(failed)} fit, {len(failed)} failed or do not fit; "
+          f"{len(spills)} default configurations spill on sm_80/sm_90.")
+    return 1 if failed else 0
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench gpu", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small shapes (default on a CPU)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="compile every kernel configuration ahead of time for sm_75/sm_80/sm_90 "
+                         "(no GPU needed) and print registers / spilled bytes / shared KiB")
+    ap.add_argument("--jobs", type=int, default=2, help="compile worker processes")
     args = ap.parse_args(argv)
+    if args.compile_only:
+        raise SystemExit(compile_only(args.jobs))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     quick = args.quick or device == "cpu"
     from minivllm.triton_utils import INTERPRETED

@@ -26,6 +26,14 @@ def init_worker_distributed_environment(vllm_config: VllmConfig) -> Any:
     return ensure_kv_transfer_initialized(vllm_config)
 
 
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``dtype="auto"``: bfloat16 on CUDA (as vLLM serves Llama models), float32 on the CPU, where
+    bfloat16 matmuls are slow on most processors."""
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    return _DTYPES[dtype]
+
+
 class Worker:
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
@@ -34,10 +42,7 @@ class Worker:
 
     def init_device(self) -> None:
         self.device = torch.device(self.vllm_config.device)
-        dtype = self.vllm_config.model_config.dtype
-        if dtype == "auto":
-            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
-        self.dtype = _DTYPES[dtype]
+        self.dtype = resolve_dtype(self.vllm_config.model_config.dtype, self.device)
         torch.manual_seed(self.vllm_config.model_config.seed)
         self.kv_connector = init_worker_distributed_environment(self.vllm_config)
         self.model_runner = ModelRunner(self.vllm_config, self.device, self.dtype,

@@ -62,8 +62,9 @@ class ReqMeta:
                   block_size: int, is_store: bool, start: int = 0) -> "ReqMeta":
         n = len(token_ids)
         assert n % block_size == 0 and start % block_size == 0 and len(block_ids) * block_size >= n
-        pos = torch.arange(start, n)
-        blocks = torch.tensor(block_ids, dtype=torch.long)
+        # Host tensors on purpose (built by the scheduler; the worker copies them to the device).
+        pos = torch.arange(start, n, device="cpu")
+        blocks = torch.tensor(block_ids, dtype=torch.long, device="cpu")
         slot_mapping = blocks[pos // block_size] * block_size + pos % block_size
         return ReqMeta(req_id, list(token_ids), folder, slot_mapping,
                        list(block_ids[start // block_size:n // block_size]), start, is_store)
@@ -103,6 +104,7 @@ class SharedStorageConnector(SharedStorageWorkerMixin, KVConnectorBase_V1):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._loads: list[tuple[ReqMeta, dict[str, Any]]] = []
         self._writers: dict[str, Optional[storage.FolderWriter]] = {}   # None: failed this step
+        self._pending_writes: list = []   # (ReqMeta, layer_name, host rows) until wait_for_save
         self._invalid_block_ids: set[int] = set()
         self._stats: dict[str, Any] = dict.fromkeys(STATS, 0)
 

@@ -15,6 +15,7 @@ import torch
 
 from minivllm import trace
 from minivllm.distributed.kv_transfer import storage
+from minivllm.host_copy import copy_to_device, copy_to_host, wait_for_copies_to_host
 from minivllm.distributed.kv_transfer.base import KVConnectorMetadata
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class SharedStorageWorkerMixin:
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         self._invalid_block_ids = set()
+        self._pending_writes = []    # a step whose forward stopped half-way left some behind
         super().bind_connector_metadata(connector_metadata)
 
     def _load_failed(self, req: ReqMeta, err: Exception) -> None:
@@ -80,8 +82,8 @@ class SharedStorageWorkerMixin:
                 self._loads.remove((req, meta))
                 self._load_failed(req, e)
                 continue
-            rows = data[:, req.start:].to(device=kv.device, dtype=kv.dtype)
-            flat[:, req.slot_mapping.to(kv.device)] = rows
+            rows = copy_to_device(data[:, req.start:], kv.device).to(kv.dtype)
+            flat[:, copy_to_device(req.slot_mapping, kv.device)] = rows
             nbytes += rows.numel() * rows.element_size()
         self._stats["num_loaded_bytes"] += nbytes
         self._stats["load_time_s"] += time.perf_counter() - t0
@@ -96,7 +98,10 @@ class SharedStorageWorkerMixin:
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """P: gather this layer's stored-prefix rows from the paged cache and write them."""
+        """P: gather this layer's stored-prefix rows from the paged cache into host memory.
+
+        The files are written in ``wait_for_save``: on CUDA the rows travel into pinned buffers
+        without stalling the forward pass, and only become readable after the forward."""
         md = self._connector_metadata
         t0, nbytes = time.perf_counter(), 0
         flat = kv_layer.view(2, -1, kv_layer.shape[3] * kv_layer.shape[4])
@@ -106,15 +111,32 @@ class SharedStorageWorkerMixin:
             try:
                 if req.folder not in self._writers:
                     self._writers[req.folder] = storage.FolderWriter(self._storage_path, req.folder)
-                kv = flat[:, req.slot_mapping.to(kv_layer.device)].cpu()
-                self._writers[req.folder].write_layer(layer_name, kv)
-                nbytes += kv.numel() * kv.element_size()
             except OSError as e:
                 self._store_failed(req, e)
+                continue
+            kv = copy_to_host(flat[:, copy_to_device(req.slot_mapping, kv_layer.device)])
+            self._pending_writes.append((req, layer_name, kv))
+            nbytes += kv.numel() * kv.element_size()
         self._stats["num_stored_bytes"] += nbytes
         self._stats["save_time_s"] += time.perf_counter() - t0
         if trace.is_recording():
             self._record("save_kv_layer", args={"layer_name": layer_name}, bytes=nbytes)
+
+    def _write_pending(self) -> None:
+        """Write the rows ``save_kv_layer`` gathered, one file per (prefix, layer)."""
+        pending, self._pending_writes = self._pending_writes, []
+        if pending:
+            wait_for_copies_to_host(next(iter(self._kv_caches.values())).device)
+        t0 = time.perf_counter()
+        for req, layer_name, kv in pending:
+            writer = self._writers.get(req.folder)
+            if writer is None:       # an earlier layer of this prefix failed to write
+                continue
+            try:
+                writer.write_layer(layer_name, kv)
+            except OSError as e:
+                self._store_failed(req, e)
+        self._stats["save_time_s"] += time.perf_counter() - t0
 
     def _store_failed(self, req: ReqMeta, err: Exception) -> None:
         self._stats["num_store_errors"] += 1
@@ -128,6 +150,7 @@ class SharedStorageWorkerMixin:
         """Article: "On exit: kv_connector.wait_for_save" -- publish each finished folder at once."""
         md = self._connector_metadata
         results: dict[str, str] = {}
+        self._write_pending()
         kv = next(iter(self._kv_caches.values()), None)
         for req in (md.requests if md is not None else []):
             writer = self._writers.pop(req.folder, None) if req.is_store else None

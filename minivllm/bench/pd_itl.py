@@ -5,7 +5,8 @@ that schedules it waits for the whole fetch; with vLLM's asynchronous path the r
 ``WAITING_FOR_REMOTE_KVS`` while a worker thread fetches, and the decoding requests keep their pace.
 
 Reported per mode: the median steady ITL before the long prompt arrives, the worst ITL from its
-arrival until its first token, their ratio, and the long prompt's time to first token.
+arrival until its first token, their ratio, the long prompt's time to first token, and every step
+time in between (the last one also computes the long prompt's remaining tokens, in both modes).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def _measure(d, prompts: list[list[int]], long_ids: list[int], steady_steps: int
     ttft = time.perf_counter() - t_arrive
     engine.abort_request([f"dec{i}" for i in range(len(prompts))] + ["long"])
     return dict(steady_itl=statistics.median(steady), max_itl=max(during), steps=len(during), ttft=ttft,
+                step_times=during,
                 loaded_tokens=long_req.num_external_computed_tokens)
 
 
@@ -72,11 +74,12 @@ def print_itl(res: dict) -> None:
     print(f"\nAsync effect: {res['n_decoders']} requests decoding while a {res['prompt_len']}-token "
           "prompt's KV loads from Redis (ITL = one engine step)\n")
     head = ("load", "steady ITL ms", "max ITL during load ms", "stall (max/steady)", "steps",
-            "long prompt TTFT s", "loaded tokens")
+            "long prompt TTFT s", "loaded tokens", "each step until its first token, ms")
     print(" | ".join(head))
     print("-|-".join("-" * len(h) for h in head))
     for mode in ("sync", "async"):
         r = res[mode]
         cells = (mode, f"{r['steady_itl'] * 1e3:.1f}", f"{r['max_itl'] * 1e3:.1f}",
-                 f"{r['max_itl'] / r['steady_itl']:.2f}x", r["steps"], f"{r['ttft']:.3f}", r["loaded_tokens"])
+                 f"{r['max_itl'] / r['steady_itl']:.2f}x", r["steps"], f"{r['ttft']:.3f}", r["loaded_tokens"],
+                 " ".join(f"{t * 1e3:.0f}" for t in r["step_times"]))
         print(" | ".join(str(c).rjust(len(h)) for c, h in zip(cells, head)))

@@ -64,7 +64,11 @@ def test_notebooks_are_stored_without_outputs():
                                        "identical greedy tokens with and without speculation: True"]),
     ("03_disaggregated_prefill_decode.ipynb", ["num_cached_tokens 16 of",
                                                "decode after a KV load == single instance: True",
-                                               "same first token: True"]),
+                                               "same first token: True",
+                                               "WAITING -> WAITING_FOR_REMOTE_KVS",
+                                               "WAITING_FOR_REMOTE_KVS -> WAITING -> RUNNING",
+                                               "async == sync == single instance: True",
+                                               "redis-server stopped: True"]),
 ])
 def test_notebook_runs(name, expected, monkeypatch):
     text = outputs_text(run_notebook(read(name), monkeypatch))

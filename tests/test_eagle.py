@@ -226,6 +226,8 @@ def test_loading_vllm_weight_names(target, heads, tmp_path):
             assert torch.equal(draft.lm_head.weight, w["lm_head.weight"])
             assert torch.equal(draft.draft_id_to_target_id, w["d2t"])
             assert tgt.model.aux_hidden_state_layers == (2, 4, 5)
+        sched = llm.llm_engine.engine_core.scheduler   # k lookahead slots; recompute last hit
+        assert sched.num_lookahead_tokens == 2 and sched.kv_cache_manager.use_eagle
         names = set(draft.attn_layers())
         assert names.isdisjoint(tgt.attn_layers()) and names == {"model.layers.8.self_attn.attn"}
     # A head with its own (different) embed_tokens keeps it.

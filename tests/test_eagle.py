@@ -284,3 +284,12 @@ def test_shipped_head_lookup(monkeypatch, tmp_path):
     (d / "config.json").write_text(json.dumps({}))
     (d / "model.safetensors").write_bytes(b"")
     assert heads_mod.resolve_head_dir(cfg, DEFAULT_MODEL) == str(d)
+
+
+def test_seeded_sampling_is_reproducible(target, heads):
+    """Random sampling through the rejection sampler (draft_probs=None: greedy drafts count as
+    one-hot proposals): a seeded request gives the same tokens twice."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, seed=7, ignore_eos=True)
+    llm = tiny(target, spec("eagle3", heads["eagle3"], 3))
+    first, second = run(llm, PROMPTS[:2], params), run(llm, PROMPTS[:2], params)
+    assert first == second and all(len(t) == 12 for t in first)

@@ -25,3 +25,6 @@ class RequestOutput:
     # through a connector.
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # P/D: what the KV connector says about this request once it finished (a producer: what it
+    # stored, to pass to the decode instance), as vLLM's field of the same name.
+    kv_transfer_params: Optional[dict] = None

@@ -62,7 +62,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None
         self.max_tokens = sampling_params.max_tokens
+        # P/D: what the client sent (vLLM reads it from SamplingParams.extra_args), and what the
+        # connector's request_finished returned, for RequestOutput.kv_transfer_params.
         self.kv_transfer_params = (sampling_params.extra_args or {}).get("kv_transfer_params")
+        self.output_kv_transfer_params: Optional[dict] = None
 
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

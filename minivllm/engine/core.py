@@ -39,7 +39,8 @@ class EngineCore:
         with self.tracer.step(self.step_index):
             scheduler_output = self.scheduler.schedule()
             if (scheduler_output.total_num_scheduled_tokens == 0 and not self.scheduler.running
-                    and not scheduler_output.preempted_req_ids):
+                    and not scheduler_output.preempted_req_ids
+                    and not self.scheduler.waiting_for_remote_kvs):
                 raise RuntimeError(
                     "The KV cache cannot hold even one waiting request "
                     f"({self.vllm_config.cache_config.num_gpu_blocks} blocks of "

@@ -70,9 +70,17 @@ class LLMEngine:
         return text, token_ids
 
     def add_request(self, request_id: str, prompt: PromptType,
-                    params: Optional[SamplingParams] = None) -> Request:
+                    params: Optional[SamplingParams] = None,
+                    kv_transfer_params: Optional[dict] = None) -> Request:
+        """``kv_transfer_params``: P/D state from the other instance (e.g. a producer's
+        ``RequestOutput.kv_transfer_params``); vLLM carries it in
+        ``SamplingParams.extra_args["kv_transfer_params"]``, and so does this (either way works)."""
         # A copy per request: the engine fills in per-request stop ids and max_tokens.
         params = SamplingParams() if params is None else copy.copy(params)
+        if kv_transfer_params is not None:
+            if not isinstance(kv_transfer_params, dict):
+                raise ValueError(f"kv_transfer_params must be a dict, got {type(kv_transfer_params).__name__}.")
+            params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": kv_transfer_params}
         params._all_stop_token_ids = set(params._all_stop_token_ids)
         text, token_ids = self.validate_prompt(prompt)
         max_model_len = self.vllm_config.model_config.max_model_len
@@ -115,4 +123,5 @@ class LLMEngine:
         completion = CompletionOutput(0, text, token_ids, request.get_finished_reason(), stop)
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
                              [completion], request.is_finished(),
-                             num_cached_tokens=max(request.num_cached_tokens, 0))
+                             num_cached_tokens=max(request.num_cached_tokens, 0),
+                             kv_transfer_params=request.output_kv_transfer_params)

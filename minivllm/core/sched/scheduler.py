@@ -8,7 +8,9 @@ Article steps that live here:
 - spec decode step 4: drafts in ``request.spec_token_ids`` count as new tokens, so ``allocate_slots``
   reserves their KV slots;
 - P/D "cache lookup", "state update" and "build metadata object": the KV connector's
-  ``get_num_new_matched_tokens``, ``update_state_after_alloc`` and ``build_connector_meta``.
+  ``get_num_new_matched_tokens``, ``update_state_after_alloc`` and ``build_connector_meta``;
+  an asynchronous load parks its request in ``WAITING_FOR_REMOTE_KVS`` (blocks allocated) until the
+  worker reports it in ``finished_recving`` (``_update_waiting_for_remote_kv``).
 """
 from __future__ import annotations
 
@@ -59,6 +61,10 @@ class Scheduler:
 
         # P/D article step "Instantiation": the connector's scheduler-side instance.
         self.connector = None
+        # Async KV loads: req_id -> tokens computed once the load lands (cut by load errors), and
+        # the ids the worker reported loaded, not yet seen by the waiting loop.
+        self.waiting_for_remote_kvs: dict[str, int] = {}
+        self.finished_recving_kv_req_ids: set[str] = set()
         if vllm_config.kv_transfer_config is not None and vllm_config.kv_transfer_config.kv_connector:
             from minivllm.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
             self.connector = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER)
@@ -141,27 +147,40 @@ class Scheduler:
         if not preempted_reqs:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
                 request = self.waiting[0]
-                num_external_computed_tokens = 0
-                # Local prefix cache first (article, P/D "cache lookup": after local prefix-cache checks).
-                new_computed_blocks, num_new_local_computed_tokens = (
-                    self.kv_cache_manager.get_computed_blocks(request))
-                if self.connector is not None:
-                    num_external_computed_tokens, load_kv_async = (
-                        self.connector.get_num_new_matched_tokens(
-                            request, num_new_local_computed_tokens))
-                    if num_external_computed_tokens is None:   # "ask again later"
+                if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    if not self._update_waiting_for_remote_kv(request):
                         skipped_waiting.append(self.waiting.popleft())
                         continue
-                    assert not load_kv_async, "minivllm's connectors load synchronously"
-                    request.num_external_computed_tokens = num_external_computed_tokens
-                num_computed_tokens = num_new_local_computed_tokens + num_external_computed_tokens
+                    request.status = (RequestStatus.PREEMPTED if request.num_preemptions
+                                      else RequestStatus.WAITING)
+                num_external_computed_tokens, load_kv_async = 0, False
+                new_computed_blocks = None
+                if request.num_computed_tokens == 0:
+                    # Local prefix cache first (article, P/D "cache lookup": after local prefix-cache checks).
+                    new_computed_blocks, num_new_local_computed_tokens = (
+                        self.kv_cache_manager.get_computed_blocks(request))
+                    if self.connector is not None:
+                        num_external_computed_tokens, load_kv_async = (
+                            self.connector.get_num_new_matched_tokens(
+                                request, num_new_local_computed_tokens))
+                        if num_external_computed_tokens is None:   # "ask again later"
+                            skipped_waiting.append(self.waiting.popleft())
+                            continue
+                        request.num_external_computed_tokens = num_external_computed_tokens
+                    num_computed_tokens = num_new_local_computed_tokens + num_external_computed_tokens
+                else:   # back from an async load: its KV is in place, its blocks are allocated
+                    num_new_local_computed_tokens = 0
+                    num_computed_tokens = request.num_computed_tokens
 
-                num_new_tokens = request.num_tokens - num_computed_tokens
-                if 0 < self.long_prefill_token_threshold < num_new_tokens:
-                    num_new_tokens = self.long_prefill_token_threshold
-                if not self.enable_chunked_prefill and num_new_tokens > token_budget:
-                    break
-                num_new_tokens = min(num_new_tokens, token_budget)
+                if load_kv_async:   # load first, compute later: allocate for the loaded tokens only
+                    num_new_tokens = 0
+                else:
+                    num_new_tokens = request.num_tokens - num_computed_tokens
+                    if 0 < self.long_prefill_token_threshold < num_new_tokens:
+                        num_new_tokens = self.long_prefill_token_threshold
+                    if not self.enable_chunked_prefill and num_new_tokens > token_budget:
+                        break
+                    num_new_tokens = min(num_new_tokens, token_budget)
 
                 # vLLM reserves no lookahead for a fresh request, to keep P and D block counts
                 # equal under P/D; minivllm's draft model proposes right after the prefill, so it
@@ -171,12 +190,22 @@ class Scheduler:
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request, num_new_tokens + num_external_computed_tokens,
                     num_new_local_computed_tokens, new_computed_blocks,
-                    num_lookahead_tokens=effective_lookahead_tokens)
+                    num_lookahead_tokens=effective_lookahead_tokens, delay_cache_blocks=load_kv_async)
                 if new_blocks is None:
                     break   # stays at the head of `waiting`
                 if self.connector is not None:
                     self.connector.update_state_after_alloc(
-                        request, new_computed_blocks + new_blocks, num_external_computed_tokens)
+                        request, new_computed_blocks + new_blocks if new_computed_blocks is not None
+                        else new_blocks, num_external_computed_tokens)
+                if load_kv_async:
+                    # The worker fetches in the background; other requests keep running.
+                    skipped_waiting.append(self.waiting.popleft())
+                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    self.waiting_for_remote_kvs[request.request_id] = num_computed_tokens
+                    trace.record("remote_kv_wait", req_id=request.request_id,
+                                 num_local_computed_tokens=num_new_local_computed_tokens,
+                                 num_external_computed_tokens=num_external_computed_tokens)
+                    continue
 
                 self.waiting.popleft()
                 self.running.append(request)
@@ -269,6 +298,8 @@ class Scheduler:
         kv_out = model_runner_output.kv_connector_output
         failed = self._handle_invalid_blocks(kv_out.invalid_block_ids) if (
             kv_out is not None and kv_out.invalid_block_ids) else set()
+        if kv_out is not None:
+            self._update_from_kv_xfer_finished(kv_out)
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished() or req_id in failed:
@@ -299,6 +330,12 @@ class Scheduler:
         ``_handle_invalid_blocks``): cut each affected request back to its first invalid block so
         the next step recomputes from there; its output this step was computed on bad KV."""
         affected = set()
+        for req_id, target in list(self.waiting_for_remote_kvs.items()):   # async loads
+            block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
+            bad = [i for i, b in enumerate(block_ids[:-(-target // self.block_size)])
+                   if b in invalid_block_ids]
+            if bad:
+                self.waiting_for_remote_kvs[req_id] = min(target, bad[0] * self.block_size)
         for request in self.running:
             block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]
             num_blocks = -(-request.num_computed_tokens // self.block_size)
@@ -313,6 +350,39 @@ class Scheduler:
                 0, request.num_external_computed_tokens - lost)
             affected.add(request.request_id)
         return affected
+
+    def _update_from_kv_xfer_finished(self, kv_out: Any) -> None:
+        """The worker's async transfers that completed: loads wake their request up in the next
+        ``schedule()``; a request finished meanwhile (aborted) frees its blocks only now."""
+        self.connector.update_connector_output(kv_out)
+        for req_id in (kv_out.finished_recving or ()):
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.is_finished():
+                self.kv_cache_manager.free(request)
+                del self.requests[req_id]
+            else:
+                self.finished_recving_kv_req_ids.add(req_id)
+
+    def _update_waiting_for_remote_kv(self, request: Request) -> bool:
+        """vLLM's ``_update_waiting_for_remote_kv``: once the load is reported, the request's loaded
+        tokens count as computed (only those before a failed block) and its full blocks enter the
+        prefix cache. Returns whether the request can be scheduled now."""
+        req_id = request.request_id
+        if req_id not in self.finished_recving_kv_req_ids:
+            return False
+        self.finished_recving_kv_req_ids.remove(req_id)
+        num_computed_tokens = min(self.waiting_for_remote_kvs.pop(req_id), request.num_tokens - 1)
+        if num_computed_tokens == 0:   # the first block already failed: start over, lookup included
+            self.kv_cache_manager.free(request)
+        elif self.kv_cache_manager.enable_caching:
+            self.kv_cache_manager.cache_blocks(request, num_computed_tokens)
+        request.num_computed_tokens = num_computed_tokens
+        request.num_external_computed_tokens = min(request.num_external_computed_tokens,
+                                                   num_computed_tokens)
+        trace.record("remote_kv_ready", req_id=req_id, num_computed_tokens=num_computed_tokens)
+        return True
 
     def _update_request_with_output(self, request: Request,
                                     new_token_ids: list[int]) -> tuple[list[int], bool]:
@@ -334,8 +404,10 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         assert request.is_finished()
         delay_free = False
+        self.waiting_for_remote_kvs.pop(request.request_id, None)
+        self.finished_recving_kv_req_ids.discard(request.request_id)
         if self.connector is not None:
-            delay_free, _ = self.connector.request_finished(
+            delay_free, request.output_kv_transfer_params = self.connector.request_finished(
                 request, self.kv_cache_manager.get_block_ids(request.request_id)[0])
         self.finished_req_ids.add(request.request_id)
         if not delay_free:

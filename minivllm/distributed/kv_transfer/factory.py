@@ -73,3 +73,6 @@ def validate_kv_transfer_config(cfg: "KVTransferConfig | dict[str, Any] | None")
 KVConnectorFactory.register_connector(
     "SharedStorageConnector",
     "minivllm.distributed.kv_transfer.shared_storage_connector", "SharedStorageConnector")
+KVConnectorFactory.register_connector(
+    "RedisStoreConnector",
+    "minivllm.distributed.kv_transfer.redis_store_connector", "RedisStoreConnector")

@@ -4,6 +4,7 @@ by PID."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -77,3 +78,11 @@ def make_tiny_chat_model(path, smollm2_dir: str) -> str:
         if os.path.exists(os.path.join(smollm2_dir, name)):
             shutil.copy(os.path.join(smollm2_dir, name), os.path.join(str(path), name))
     return str(path)
+
+
+def metric(url: str, name: str) -> float:
+    """One sample of ``GET /metrics`` (Prometheus text), by its full name."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert m is not None, f"{name} missing from /metrics"
+    return float(m.group(1))

@@ -5,14 +5,13 @@ request is aborted and its blocks freed), /metrics. Greedy outputs equal ``LLM.g
 from __future__ import annotations
 
 import concurrent.futures as cf
-import re
 import time
 
 import httpx
 import openai
 import pytest
 
-from server_utils import make_tiny_chat_model, start_server, stop
+from server_utils import make_tiny_chat_model, metric, start_server, stop
 
 MAX_PENDING = 4
 SERVER_ARGS = ["--max-model-len", "512", "--num-gpu-blocks-override", "96", "--num-threads", "1",
@@ -46,13 +45,6 @@ def llm(model_dir):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key="EMPTY", max_retries=0, timeout=120)
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
-    assert m is not None, f"{name} missing from /metrics"
-    return float(m.group(1))
 
 
 def stream_text(stream) -> tuple[str, str]:

@@ -65,6 +65,7 @@ def test_notebooks_are_stored_without_outputs():
     ("03_disaggregated_prefill_decode.ipynb", ["num_cached_tokens 16 of",
                                                "decode after a KV load == single instance: True",
                                                "same first token: True"]),
+    ("06_pd_at_scale.ipynb", ["keys,", "1P+2D via the proxy", "children still running: []"]),
 ])
 def test_notebook_runs(name, expected, monkeypatch):
     text = outputs_text(run_notebook(read(name), monkeypatch))

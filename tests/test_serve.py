@@ -195,3 +195,36 @@ def test_spec_decode_counters(server, client):
                               temperature=0, extra_body={"ignore_eos": True})
     assert metric(server, "vllm:spec_decode_num_drafts_total") > 0
     assert "vllm:spec_decode_num_accepted_tokens_total" in httpx.get(server + "/metrics").text
+
+
+def test_console_script_and_serve_flags(capsys):
+    from minivllm.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ["--model", "--host", "--port", "--max-num-seqs", "--block-size", "--dtype",
+                 "--seed", "--speculative-config", "--kv-transfer-config"]:
+        assert flag in out
+    with pytest.raises(SystemExit) as e:
+        main(["bogus"])
+    assert e.value.code == 2
+
+
+def test_bench_workload_and_summary():
+    from minivllm.bench.serve_client import RequestResult, Workload, summarize
+    wl = Workload(duration_s=30, chat_rate=1.0, burst_every_s=10, burst_size=2,
+                  long_tokens=(100, 200), seed=3)
+    reqs = wl.requests()
+    assert reqs == wl.requests()                               # fixed by the seed
+    longs = [r for r in reqs if r["kind"] == "long"]
+    assert [r["t"] for r in longs] == [5, 5, 15, 15, 25, 25]
+    assert all(100 <= len(r["body"]["prompt"]) <= 200 for r in longs)
+    chat = RequestResult("chat", 1.0, [1.5, 1.6, 1.8], num_tokens=3)
+    slow = RequestResult("chat", 2.0, [5.0, 6.0], num_tokens=2)
+    s = summarize([chat, slow, RequestResult("long", 0.0, error="HTTP 503")], 1.0, 0.5)
+    assert s["errors"] == 1 and s["requests"] == 3
+    assert s["chat_ttft_p50"] == pytest.approx((0.5 + 3.0) / 2)
+    assert chat.itls == pytest.approx([0.1, 0.2]) and chat.tpot == pytest.approx(0.15)
+    assert s["slo_attained"] == 0.5                            # only `chat` meets both SLOs
+    assert s["goodput_req_s"] == pytest.approx(1 / (6.0 - 1.0))

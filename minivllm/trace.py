@@ -7,11 +7,15 @@ Widgets draw only from these records, never by recomputing what the engine did.
 
 Event kinds (each a plain dict with ``"kind"`` plus the fields listed):
 - ``"schedule"``: num_scheduled_tokens {req_id: n}, scheduled_spec_decode_tokens, preempted_req_ids,
-  token_budget, total_num_scheduled_tokens, new_req_ids, resumed_req_ids, running, waiting
+  token_budget, total_num_scheduled_tokens, new_req_ids, resumed_req_ids, running, waiting,
+  statuses {req_id: RequestStatus name} (after this schedule())
 - ``"kv_cache"``: block_tables {req_id: [block ids]}, num_computed_tokens {req_id: n},
   num_free_blocks, free_block_ids (queue order), cached_block_ids, num_gpu_blocks
 - ``"prefix_hit"``: req_id, num_local_computed_tokens, num_external_computed_tokens
 - ``"preempt"``: req_id, num_computed_tokens_before
+- ``"remote_kv_wait"``: req_id, num_local_computed_tokens, num_external_computed_tokens (an async
+  KV load starts: the request enters WAITING_FOR_REMOTE_KVS)
+- ``"remote_kv_ready"``: req_id, num_computed_tokens (its load was reported: back to WAITING)
 - ``"spec_propose"``: drafts {req_id: [token ids]}
 - ``"spec_verify"``: req_id, positions [ {draft_token_id, p_target, p_draft, uniform, accepted, kind,
   output_token_id} ]  (kind in accepted | recovered | bonus)

@@ -290,4 +290,6 @@ def test_pd_benchmark_smoke(tiny_gqa_dir, capsys):
     rows = main(["--model", tiny_gqa_dir, "--lengths", "24,40", "--block-size", "8"])
     assert [(r["prompt_tokens"], r["loaded_tokens"]) for r in rows] == [(24, 16), (40, 32)]
     assert all(r["same_first_token"] and r["bytes_per_token"] == 3 * 2 * 2 * 16 * 4 for r in rows)
-    assert "D TTFT load s" in capsys.readouterr().out
+    assert all(r["redis_loaded_tokens"] == [r["loaded_tokens"]] * 2 for r in rows)
+    out = capsys.readouterr().out
+    assert "D TTFT load s" in out and "Redis async s" in out and "Async effect" in out

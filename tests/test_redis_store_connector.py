@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import redis
@@ -186,3 +187,32 @@ def test_owned_server_without_url(model, reference):
     d = llm(model, kv("kv_consumer"), enable_prefix_caching=False)
     got = d.generate(prompts(), GREEDY, use_tqdm=False)
     assert tokens(got) == reference[0] and worker_stats(d)["num_loaded_tokens"] == 120
+
+
+def test_abort_during_async_load_frees_blocks_after_the_load(model, url):
+    """A request aborted while its KV loads keeps its blocks until the worker reports the load
+    (the loader thread may still write into them), then frees them."""
+    ps = prompts(3, lengths=(70,))
+    llm(model, ktc(url, "kv_producer")).generate(ps, PREFILL, use_tqdm=False)
+    d = llm(model, ktc(url, "kv_consumer"), enable_prefix_caching=False)
+    engine, sched = d.llm_engine, d.llm_engine.scheduler
+    free0 = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    worker_conn, gate = engine.engine_core.worker.kv_connector, threading.Event()
+    load = worker_conn._load_request
+    worker_conn._load_request = lambda req: (gate.wait(30), load(req))[1]   # hold the fetch
+    engine.add_request("x", ps[0], GREEDY)
+    engine.add_request("keep", prompts(4, lengths=(5,))[0], SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()
+    assert engine._requests["x"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    engine.abort_request(["x"])
+    assert "x" in sched.requests            # blocks held: the load is still in flight
+    engine.step()
+    assert "x" in sched.requests
+    gate.set()
+    for _ in range(50):
+        if "x" not in sched.requests:
+            break
+        engine.step()
+    assert "x" not in sched.requests
+    engine.abort_request(["keep"])
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == free0

@@ -69,6 +69,7 @@ def test_notebooks_are_stored_without_outputs():
                                                "WAITING_FOR_REMOTE_KVS -> WAITING -> RUNNING",
                                                "async == sync == single instance: True",
                                                "redis-server stopped: True"]),
+    ("06_pd_at_scale.ipynb", ["keys,", "1P+2D via the proxy", "children still running: []"]),
 ])
 def test_notebook_runs(name, expected, monkeypatch):
     text = outputs_text(run_notebook(read(name), monkeypatch))

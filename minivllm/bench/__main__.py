@@ -1,9 +1,10 @@
-"""``python -m minivllm.bench {throughput,spec,pd,gpu} [options]``: benchmarks that print side-by-side tables."""
+"""``python -m minivllm.bench {throughput,spec,pd,gpu,serve} [options]``: benchmarks that print side-by-side tables."""
 import importlib
 import sys
 
 BENCHMARKS = {"throughput": "minivllm.bench.throughput", "spec": "minivllm.bench.spec",
-              "pd": "minivllm.bench.pd", "gpu": "minivllm.bench.gpu"}
+              "pd": "minivllm.bench.pd", "gpu": "minivllm.bench.gpu",
+              "serve": "minivllm.bench.serve"}
 
 
 def main() -> None:

@@ -97,6 +97,8 @@ class LLMEngine:
     def abort_request(self, request_ids: list[str]) -> None:
         from minivllm.request import RequestStatus
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for request_id in request_ids:
+            self._requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

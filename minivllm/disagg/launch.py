@@ -1,0 +1,221 @@
+"""``python -m minivllm.disagg.launch --prefill N --decode M --port P [--model M] [--seed S]``: a
+whole P/D cluster on one machine, on 127.0.0.1: the KV store (a Redis server from
+``python -m minivllm.kvstore`` for ``RedisStoreConnector``, or a temporary folder for
+``SharedStorageConnector``), N prefill servers (``kv_producer``), M decode servers
+(``kv_consumer``), each a ``python -m minivllm.serve`` process with its share of the CPU threads,
+and the proxy on port P. It prints the URLs (and one JSON line with every PID), waits until every
+instance answers ``/health``, and stops every child it started, by PID, on exit or Ctrl-C.
+
+``start_cluster()`` / ``Cluster.stop()`` are the same thing as a Python API (the notebook uses it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import httpx
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_available() -> bool:
+    """True when this package has the Redis-backed connector and the store's launcher."""
+    import importlib.util
+    from minivllm.distributed.kv_transfer.factory import KVConnectorFactory
+    return ("RedisStoreConnector" in KVConnectorFactory._registry
+            and importlib.util.find_spec("minivllm.kvstore") is not None)
+
+
+@dataclass
+class Cluster:
+    proxy_url: str
+    prefill_urls: list[str]
+    decode_urls: list[str]
+    kv_connector: str
+    kv_store: str                                   # the Redis URL or the shared folder
+    log_dir: str
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)   # name -> child
+    _owned_dirs: list[str] = field(default_factory=list)
+
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in self.procs.items()}
+
+    def describe(self) -> dict:
+        return {"proxy": self.proxy_url, "prefill": self.prefill_urls, "decode": self.decode_urls,
+                "kv_connector": self.kv_connector, "kv_store": self.kv_store,
+                "log_dir": self.log_dir, "pids": self.pids()}
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM every child by PID (the proxy first, the store last), then SIGKILL stragglers."""
+        for name in reversed(list(self.procs)):
+            p = self.procs[name]
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for d in self._owned_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _spawn(cluster: Cluster, name: str, args: list[str], env: dict) -> subprocess.Popen:
+    log = open(os.path.join(cluster.log_dir, f"{name}.log"), "w")
+    p = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT,
+                         env=env, start_new_session=True)   # Ctrl-C reaches us, not them
+    cluster.procs[name] = p
+    return p
+
+
+def _start_redis(cluster: Cluster, env: dict, timeout: float) -> str:
+    p = subprocess.Popen([sys.executable, "-m", "minivllm.kvstore", "--port", str(free_port())],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+                         start_new_session=True)
+    cluster.procs["kvstore"] = p
+    line = p.stdout.readline().strip()           # its first line is its URL (DESIGN.md 5.2)
+    if not line.startswith(("redis://", "unix://")):
+        raise RuntimeError(f"python -m minivllm.kvstore did not print its URL: {line!r}")
+    return line
+
+
+def wait_healthy(cluster: Cluster, urls: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(urls)
+    while pending:
+        for name, p in cluster.procs.items():
+            if p.poll() is not None:
+                log = os.path.join(cluster.log_dir, f"{name}.log")
+                tail = open(log).read()[-2000:] if os.path.exists(log) else ""
+                raise RuntimeError(f"{name} (pid {p.pid}) exited with {p.returncode}:\n{tail}")
+        for url in list(pending):
+            try:
+                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                    pending.remove(url)
+            except httpx.HTTPError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"not healthy after {timeout:.0f} s: {pending}")
+        if pending:
+            time.sleep(0.5)
+
+
+def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int] = None,
+                  model: str = DEFAULT_MODEL, seed: int = 0, num_threads: Optional[int] = None,
+                  kv_connector: str = "auto", server_args: Optional[list[str]] = None,
+                  log_dir: Optional[str] = None, startup_timeout: float = 300.0) -> Cluster:
+    if num_prefill < 1 or num_decode < 1:
+        raise ValueError(f"--prefill and --decode must be >= 1, got {num_prefill}, {num_decode}.")
+    if kv_connector == "auto":
+        kv_connector = "RedisStoreConnector" if redis_available() else "SharedStorageConnector"
+    if kv_connector not in ("RedisStoreConnector", "SharedStorageConnector"):
+        raise ValueError(f"kv_connector must be 'auto', 'RedisStoreConnector' or "
+                         f"'SharedStorageConnector', got {kv_connector!r}.")
+    total = num_threads or os.cpu_count() or 1
+    per_instance = max(1, total // (num_prefill + num_decode))
+    env = dict(os.environ, OMP_NUM_THREADS=str(per_instance))
+    owned = []
+    if log_dir is None:
+        log_dir = tempfile.mkdtemp(prefix="minivllm-cluster-logs-")
+    cluster = Cluster(f"http://127.0.0.1:{port or free_port()}", [], [], kv_connector, "",
+                      log_dir, _owned_dirs=owned)
+    try:
+        if kv_connector == "RedisStoreConnector":
+            cluster.kv_store = _start_redis(cluster, env, startup_timeout)
+            extra = {"url": cluster.kv_store}
+        else:
+            cluster.kv_store = tempfile.mkdtemp(prefix="minivllm-kv-")
+            owned.append(cluster.kv_store)
+            extra = {"shared_storage_path": cluster.kv_store}
+        common = ["minivllm.serve", "--model", model, "--seed", str(seed),
+                  "--num-threads", str(per_instance), *(server_args or [])]
+        for role, n, urls in (("prefill", num_prefill, cluster.prefill_urls),
+                              ("decode", num_decode, cluster.decode_urls)):
+            kv = {"kv_connector": kv_connector,
+                  "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+                  "kv_connector_extra_config": extra}
+            for i in range(n):
+                p = free_port()
+                urls.append(f"http://127.0.0.1:{p}")
+                _spawn(cluster, f"{role}{i}", [*common, "--port", str(p),
+                                               "--kv-transfer-config", json.dumps(kv)], env)
+        proxy_port = cluster.proxy_url.rsplit(":", 1)[1]
+        _spawn(cluster, "proxy", ["minivllm.disagg.proxy", "--port", proxy_port,
+                                  "--prefill", *cluster.prefill_urls,
+                                  "--decode", *cluster.decode_urls], env)
+        wait_healthy(cluster, cluster.prefill_urls + cluster.decode_urls + [cluster.proxy_url],
+                     startup_timeout)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prefill", type=int, default=1, help="number of prefill instances")
+    ap.add_argument("--decode", type=int, default=1, help="number of decode instances")
+    ap.add_argument("--port", type=int, default=8000, help="the proxy's port")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-threads", type=int, default=None,
+                    help="CPU threads for all instances together (default: all cores)")
+    ap.add_argument("--kv-connector", default="auto",
+                    choices=["auto", "RedisStoreConnector", "SharedStorageConnector"])
+    ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--server-args", default="",
+                    help="extra flags for every server, e.g. \"--max-model-len 2048\"")
+    args = ap.parse_args(argv)
+    stop = {"now": False}
+
+    def on_signal(signum, _frame):
+        stop["now"] = True
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_signal)
+    cluster = None
+    try:
+        cluster = start_cluster(args.prefill, args.decode, args.port, args.model, args.seed,
+                                args.num_threads, args.kv_connector, args.server_args.split(),
+                                startup_timeout=args.startup_timeout)
+        print(f"KV store ({cluster.kv_connector}): {cluster.kv_store}")
+        for u in cluster.prefill_urls:
+            print(f"prefill: {u}")
+        for u in cluster.decode_urls:
+            print(f"decode:  {u}")
+        print(f"proxy:   {cluster.proxy_url}   (logs in {cluster.log_dir})")
+        print("CLUSTER " + json.dumps(cluster.describe()), flush=True)
+        while not stop["now"]:
+            for name, p in cluster.procs.items():
+                if p.poll() is not None and name in ("proxy", "kvstore"):
+                    print(f"{name} exited ({p.returncode}); stopping the cluster", flush=True)
+                    stop["now"] = True
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if cluster is not None:
+            cluster.stop()
+            print("stopped every child", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""``python -m minivllm.disagg.proxy --prefill URL [URL ...] --decode URL [URL ...] --port P``: the
+disaggregated-serving proxy, mirroring vLLM's example proxy
+(tests/v1/kv_connector/nixl_integration/toy_proxy_server.py, ``_handle_completions``).
+
+Every request is served in two stages, with the same ``X-Request-Id`` on both:
+
+1. Prefill: the next prefill instance (round robin) gets a copy of the body with ``max_tokens=1``,
+   ``stream=false`` and ``kv_transfer_params={"do_remote_decode": true}``; it computes the prompt's
+   KV, which its connector publishes, and answers with the ``kv_transfer_params`` a decode
+   instance needs to find that KV. Its one generated token is dropped.
+2. Decode: the next decode instance (round robin) gets the client's original body plus those
+   ``kv_transfer_params``; it loads the prompt's KV, recomputes only the last prompt token, and
+   its answer (a stream or not) goes back to the client as it comes.
+
+Failures: a prefill instance that errors or times out is skipped and the request goes straight to
+a decode instance, which then computes the prompt itself (slower, same output). A decode instance
+that cannot be reached (or answers 5xx) is marked down for a while and the next one is tried; when
+none answers the client gets a 503 naming them. Each answer carries headers saying which instances
+served it; ``GET /proxy/requests`` lists the recent ones with their prefill times.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+
+@dataclass
+class Instance:
+    url: str
+    down_until: float = 0.0      # monotonic time before which it is skipped after a failure
+
+    def mark_down(self, seconds: float) -> None:
+        self.down_until = time.monotonic() + seconds
+
+
+class RoundRobin:
+    """vLLM's ``itertools.cycle`` over a pool, skipping instances marked down (all down: try all)."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.instances = [Instance(u.rstrip("/")) for u in urls]
+        self._next = 0
+
+    def order(self) -> list[Instance]:
+        """Every instance once, starting at the next in turn, the ones marked down last."""
+        n = len(self.instances)
+        start, self._next = self._next, (self._next + 1) % n
+        ring = [self.instances[(start + i) % n] for i in range(n)]
+        now = time.monotonic()
+        return [i for i in ring if i.down_until <= now] + [i for i in ring if i.down_until > now]
+
+
+def _error(message: str, code: int) -> JSONResponse:
+    kind = {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(code, "InternalServerError")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                        status_code=code)
+
+
+class DisaggProxy:
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str],
+                 prefill_timeout: float = 120.0, down_seconds: float = 5.0) -> None:
+        if not prefill_urls or not decode_urls:
+            raise ValueError("the proxy needs at least one --prefill and one --decode URL.")
+        self.prefill = RoundRobin(prefill_urls)
+        self.decode = RoundRobin(decode_urls)
+        self.prefill_timeout = prefill_timeout
+        self.down_seconds = down_seconds
+        self.records: collections.deque = collections.deque(maxlen=1000)
+        # No overall timeout on decode: a long generation is not a failure.
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                                        limits=httpx.Limits(max_connections=None))
+
+    async def _prefill_stage(self, path: str, body: dict, request_id: str, record: dict):
+        """Returns (kv_transfer_params or None, a client-error response to pass back or None)."""
+        pbody = dict(body, max_tokens=1, stream=False,
+                     kv_transfer_params={"do_remote_decode": True})
+        if "max_completion_tokens" in pbody:
+            pbody["max_completion_tokens"] = 1
+        for key in ("stream_options", "min_tokens"):
+            pbody.pop(key, None)
+        inst = self.prefill.order()[0]
+        if inst.down_until > time.monotonic():       # every prefill instance is down
+            record["prefill_error"] = "all prefill instances down"
+            return None, None
+        record["prefill"] = inst.url
+        t0 = time.perf_counter()
+        try:
+            resp = await self.client.post(inst.url + path, json=pbody, timeout=self.prefill_timeout,
+                                          headers={"X-Request-Id": request_id})
+        except httpx.HTTPError as e:
+            inst.mark_down(self.down_seconds)
+            record["prefill_error"] = f"{type(e).__name__}: {e}"
+            return None, None
+        record["prefill_s"] = time.perf_counter() - t0
+        if 400 <= resp.status_code < 500:            # the request itself is bad: say so now
+            return None, Response(resp.content, resp.status_code, media_type="application/json")
+        if resp.status_code != 200:
+            record["prefill_error"] = f"HTTP {resp.status_code}"
+            return None, None
+        return resp.json().get("kv_transfer_params"), None
+
+    async def handle(self, path: str, raw: Request) -> Response:
+        try:
+            body = await raw.json()
+            assert isinstance(body, dict)
+        except Exception:                             # noqa: BLE001
+            return _error("the request body must be a JSON object.", 400)
+        request_id = raw.headers.get("X-Request-Id") or uuid.uuid4().hex
+        record = {"request_id": request_id, "path": path, "prefill": None, "prefill_s": None,
+                  "prefill_error": None, "decode": None, "kv_transfer_params": None}
+        self.records.append(record)
+        kv_params, client_error = await self._prefill_stage(path, body, request_id, record)
+        if client_error is not None:
+            return client_error
+        record["kv_transfer_params"] = kv_params
+        dbody = dict(body)
+        if kv_params is not None:
+            dbody["kv_transfer_params"] = kv_params
+        tried = []
+        for inst in self.decode.order():
+            tried.append(inst.url)
+            req = self.client.build_request("POST", inst.url + path, json=dbody,
+                                            headers={"X-Request-Id": request_id})
+            try:
+                resp = await self.client.send(req, stream=True)
+                if resp.status_code >= 500:          # overloaded or broken: try the next one
+                    await resp.aclose()
+                    continue
+                if not body.get("stream"):
+                    content = await resp.aread()
+            except httpx.HTTPError:                  # unreachable or died: skip it for a while
+                inst.mark_down(self.down_seconds)
+                continue
+            record["decode"] = inst.url
+            headers = {"X-Request-Id": request_id, "X-Decode-Instance": inst.url,
+                       "X-Prefill-Instance": str(record["prefill"]),
+                       "X-Prefill-Status": "ok" if record["prefill_error"] is None else "failed",
+                       "X-Prefill-Seconds": f"{record['prefill_s'] or 0.0:.6f}"}
+            media = resp.headers.get("content-type", "application/json")
+            if body.get("stream"):
+                return StreamingResponse(_relay(resp), status_code=resp.status_code,
+                                         media_type=media, headers=headers)
+            return Response(content, resp.status_code, media_type=media, headers=headers)
+        return _error(f"no decode instance answered (tried {', '.join(tried)}).", 503)
+
+    async def health(self) -> Response:
+        async def ok(inst: Instance) -> bool:
+            try:
+                return (await self.client.get(inst.url + "/health", timeout=5.0)).status_code == 200
+            except httpx.HTTPError:
+                return False
+        insts = self.prefill.instances + self.decode.instances
+        states = await asyncio.gather(*(ok(i) for i in insts))
+        down = [i.url for i, s in zip(insts, states) if not s]
+        return _error(f"instances not ready: {down}", 503) if down else Response(status_code=200)
+
+
+async def _relay(resp: httpx.Response) -> AsyncIterator[bytes]:
+    """The decode instance's bytes as they come; a decode instance that dies mid-stream ends the
+    stream with an OpenAI error event (the client sees a clear error, not a hang)."""
+    try:
+        async for chunk in resp.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as e:
+        err = {"error": {"message": f"decode instance failed mid-stream: {e!r}",
+                         "type": "InternalServerError", "param": None, "code": 502}}
+        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        await resp.aclose()                     # also tells the decode instance to abort
+
+
+def build_app(proxy: DisaggProxy) -> FastAPI:
+    app = FastAPI(title="minivllm P/D proxy")
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await proxy.handle("/v1/completions", raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request):
+        return await proxy.handle("/v1/chat/completions", raw)
+
+    @app.get("/v1/models")
+    async def models():
+        for inst in proxy.decode.order():
+            try:
+                r = await proxy.client.get(inst.url + "/v1/models", timeout=5.0)
+                return Response(r.content, r.status_code, media_type="application/json")
+            except httpx.HTTPError:
+                continue
+        return _error("no decode instance answered.", 503)
+
+    @app.get("/health")
+    async def health():
+        return await proxy.health()
+
+    @app.get("/proxy/requests")
+    async def requests():
+        return list(proxy.records)
+
+    return app
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    import uvicorn
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prefill", nargs="+", required=True, help="prefill instance URLs")
+    ap.add_argument("--decode", nargs="+", required=True, help="decode instance URLs")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--prefill-timeout", type=float, default=120.0,
+                    help="seconds before a prefill is given up and the decode instance recomputes")
+    ap.add_argument("--log-level", default="warning")
+    args = ap.parse_args(argv)
+    proxy = DisaggProxy(args.prefill, args.decode, prefill_timeout=args.prefill_timeout)
+    print(f"minivllm P/D proxy on http://{args.host}:{args.port}: prefill {args.prefill}, "
+          f"decode {args.decode}", flush=True)
+    uvicorn.run(build_app(proxy), host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (vllm/entrypoints/openai/): ``python -m minivllm.serve``."""

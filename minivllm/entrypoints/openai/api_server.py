@@ -1,0 +1,138 @@
+"""The OpenAI-compatible HTTP server, mirroring vllm/entrypoints/openai/api_server.py and
+``vllm serve``: FastAPI routes in front of one ``AsyncLLM`` (one engine loop thread that batches
+every HTTP request continuously), served by uvicorn.
+
+    python -m minivllm.serve --port 8000            # or: minivllm serve --port 8000
+
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+(``stream`` gives server-sent events ending in ``data: [DONE]``), ``GET /metrics``. A body that
+does not validate is HTTP 400 with OpenAI's error JSON (FastAPI's default would be 422).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from minivllm.engine.async_llm import AsyncLLM
+from minivllm.entrypoints.openai.metrics import render_metrics
+from minivllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                  now)
+from minivllm.entrypoints.openai.serving import OpenAIServing, error_response
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def build_app(async_llm: AsyncLLM, served_model_name: str) -> FastAPI:
+    app = FastAPI(title="minivllm OpenAI-compatible server")
+    serving = OpenAIServing(async_llm, served_model_name)
+    app.state.async_llm = async_llm
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return error_response(f"{where}: {first.get('msg', 'invalid request body')}", 400)
+
+    @app.get("/health")
+    async def health():
+        if async_llm.is_running:
+            return PlainTextResponse("")
+        return error_response(f"engine loop stopped: {async_llm.errored!r}", 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": served_model_name, "object": "model", "created": now(), "owned_by": "minivllm",
+            "max_model_len": serving.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(render_metrics(async_llm, served_model_name),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        return await serving.create_completion(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        return await serving.create_chat_completion(body, raw)
+
+    return app
+
+
+def make_arg_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="minivllm serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model_tag", nargs="?", default=None, help="the model, as in `vllm serve M`")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                    default=True)
+    ap.add_argument("--speculative-config", type=json.loads, default=None, help="JSON")
+    ap.add_argument("--kv-transfer-config", type=json.loads, default=None, help="JSON")
+    ap.add_argument("--max-pending-requests", type=int, default=256,
+                    help="requests in flight (running + waiting) beyond which the server "
+                         "answers 503")
+    ap.add_argument("--num-threads", type=int, default=None,
+                    help="torch CPU threads for this instance (default: torch's choice)")
+    ap.add_argument("--log-level", default="warning")
+    return ap
+
+
+def build_async_llm(args: argparse.Namespace) -> AsyncLLM:
+    from minivllm.entrypoints.llm import LLM
+    if args.max_pending_requests < 1:
+        raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}.")
+    if args.num_threads is not None:
+        import torch
+        torch.set_num_threads(args.num_threads)
+    kv = args.kv_transfer_config
+    if kv is not None and not isinstance(kv, dict):
+        raise ValueError("--kv-transfer-config must be a JSON object.")
+    llm = LLM(model=args.model, speculative_config=args.speculative_config,
+              kv_transfer_config=kv,
+              seed=args.seed, block_size=args.block_size,
+              enable_prefix_caching=args.enable_prefix_caching,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              num_gpu_blocks_override=args.num_gpu_blocks_override, dtype=args.dtype,
+              device=args.device, attention_backend=args.attention_backend,
+              enable_chunked_prefill=args.enable_chunked_prefill)
+    return AsyncLLM(llm, max_pending_requests=args.max_pending_requests).start()
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    import uvicorn
+    args = make_arg_parser().parse_args(argv)
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    async_llm = build_async_llm(args)
+    name = args.served_model_name or args.model
+    app = build_app(async_llm, name)
+    print(f"minivllm serving {name} on http://{args.host}:{args.port} (pid {os.getpid()})",
+          flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        async_llm.shutdown()
+    sys.exit(0)

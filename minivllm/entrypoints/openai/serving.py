@@ -1,0 +1,191 @@
+"""The two generation endpoints, mirroring vllm/entrypoints/openai/serving_completion.py and
+serving_chat.py: check the body, build ``SamplingParams``, run ``AsyncLLM.generate`` and turn its
+cumulative ``RequestOutput`` objects into OpenAI's response or its server-sent-event chunks.
+
+Streaming holds back text that could still turn out to be the start of a stop string (it would be
+cut from the final text) and a trailing incomplete UTF-8 character (decoded as U+FFFD), so that the
+concatenated deltas always equal the non-streamed text.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator, Optional, Union
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from minivllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
+from minivllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                  error_body, now, random_uuid, usage_body)
+from minivllm.outputs import RequestOutput
+
+
+def error_response(message: str, code: int = 400) -> JSONResponse:
+    err_type = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+    return JSONResponse(error_body(message, err_type.get(code, "InternalServerError"), code),
+                        status_code=code)
+
+
+class OpenAIServing:
+    def __init__(self, async_llm: AsyncLLM, served_model_name: str) -> None:
+        self.async_llm = async_llm
+        self.model_name = served_model_name
+        self.engine = async_llm.engine
+        self.max_model_len = self.engine.vllm_config.model_config.max_model_len
+
+    # ------------------------------------------------------------------ checks
+    def _prepare(self, body: Union[CompletionRequest, ChatCompletionRequest]):
+        """Everything that can make a request invalid, checked before it is queued."""
+        if body.model is not None and body.model != self.model_name:
+            return None, error_response(f"The model `{body.model}` does not exist.", 404)
+        try:
+            body.check_supported()
+            if isinstance(body, ChatCompletionRequest):
+                tokenizer = self.engine.tokenizer
+                if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+                    raise ValueError("messages: this model has no chat template.")
+                prompt = tokenizer.apply_chat_template(
+                    body.messages, add_generation_prompt=body.add_generation_prompt,
+                    tokenize=False)
+                max_tokens = body.get_max_tokens()
+            else:
+                prompt, max_tokens = body.get_prompt(), body.max_tokens
+            params = body.to_sampling_params(max_tokens)
+            _, token_ids = self.engine.validate_prompt(prompt)
+            if max_tokens is not None and len(token_ids) + max_tokens > self.max_model_len:
+                raise ValueError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, you requested {len(token_ids) + max_tokens} tokens "
+                    f"({len(token_ids)} in the prompt, {max_tokens} for the completion).")
+        except (ValueError, TypeError) as e:
+            return None, error_response(str(e), 400)
+        # Token ids from here on: the engine does not tokenize the same text twice.
+        return ({"prompt": prompt if isinstance(prompt, str) else None,
+                 "prompt_token_ids": token_ids}, params), None
+
+    # ------------------------------------------------------------------ entry points
+    async def create_completion(self, body: CompletionRequest, raw: HTTPRequest):
+        return await self._create(body, raw, chat=False)
+
+    async def create_chat_completion(self, body: ChatCompletionRequest, raw: HTTPRequest):
+        return await self._create(body, raw, chat=True)
+
+    async def _create(self, body, raw: HTTPRequest, chat: bool):
+        prepared, err = self._prepare(body)
+        if err is not None:
+            return err
+        prompt, params = prepared
+        base_id = raw.headers.get("X-Request-Id") or random_uuid()
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{base_id}"
+        gen = self.async_llm.generate(request_id, prompt, params)
+        headers = {"X-Request-Id": base_id}
+        if body.stream:
+            try:
+                first = await gen.__anext__()     # surfaces 503 before the stream starts
+            except EngineOverloadedError as e:
+                return error_response(str(e), 503)
+            except EngineDeadError as e:
+                return error_response(str(e), 500)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                self._stream(request_id, first, gen, params.stop, chat, include_usage),
+                media_type="text/event-stream", headers=headers)
+        try:
+            final = await _collect_unless_disconnected(gen, raw)
+        except EngineOverloadedError as e:
+            return error_response(str(e), 503)
+        except EngineDeadError as e:
+            return error_response(str(e), 500)
+        if final is None:                      # the client went away; the request was aborted
+            return error_response("client disconnected", 499)
+        return JSONResponse(self._full_response(request_id, final, chat), headers=headers)
+
+    # ------------------------------------------------------------------ responses
+    def _full_response(self, request_id: str, out: RequestOutput, chat: bool) -> dict:
+        c = out.outputs[0]
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": c.finish_reason,
+                                  "stop_reason": c.stop_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+        else:
+            choice["text"] = c.text
+        return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
+                "created": now(), "model": self.model_name, "choices": [choice],
+                "usage": usage_body(len(out.prompt_token_ids), len(c.token_ids),
+                                    out.num_cached_tokens),
+                "kv_transfer_params": getattr(out, "kv_transfer_params", None)}
+
+    def _chunk(self, request_id: str, chat: bool, delta: Optional[str],
+               finish_reason: Optional[str] = None, role: bool = False) -> str:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if chat:
+            choice["delta"] = ({"role": "assistant", "content": ""} if role
+                               else ({"content": delta} if delta else {}))
+        else:
+            choice["text"] = delta or ""
+        chunk = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                 "created": now(), "model": self.model_name, "choices": [choice]}
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    async def _stream(self, request_id: str, first: RequestOutput,
+                      gen: AsyncIterator[RequestOutput], stop: list[str], chat: bool,
+                      include_usage: bool) -> AsyncIterator[str]:
+        holdback = max((len(s) for s in stop), default=1) - 1
+        sent = 0
+        out = first
+        try:
+            if chat:
+                yield self._chunk(request_id, chat, None, role=True)
+            while True:
+                text = out.outputs[0].text
+                end = len(text) if out.finished else max(sent, len(text) - holdback)
+                while end > sent and not out.finished and text[end - 1] == "\ufffd":
+                    end -= 1
+                if end > sent:
+                    yield self._chunk(request_id, chat, text[sent:end])
+                    sent = end
+                if out.finished:
+                    break
+                out = await gen.__anext__()
+            yield self._chunk(request_id, chat, None, finish_reason=out.outputs[0].finish_reason)
+            if include_usage:
+                c = out.outputs[0]
+                usage = {"id": request_id, "object": "chat.completion.chunk" if chat
+                         else "text_completion", "created": now(), "model": self.model_name,
+                         "choices": [], "usage": usage_body(len(out.prompt_token_ids),
+                                                            len(c.token_ids),
+                                                            out.num_cached_tokens)}
+                yield f"data: {json.dumps(usage)}\n\n"
+            params = getattr(out, "kv_transfer_params", None)
+            if params is not None:
+                yield f"data: {json.dumps({'id': request_id, 'kv_transfer_params': params})}\n\n"
+        except EngineDeadError as e:
+            yield f"data: {json.dumps(error_body(str(e), 'InternalServerError', 500))}\n\n"
+        finally:
+            await gen.aclose()                  # aborts the request if it is still running
+        yield "data: [DONE]\n\n"
+
+
+async def _collect_unless_disconnected(gen: AsyncIterator[RequestOutput],
+                                       raw: HTTPRequest) -> Optional[RequestOutput]:
+    """The final output, or None when the client disconnected first (the request is aborted:
+    cancelling the task closes ``gen``, whose ``finally`` aborts it)."""
+    async def drain() -> RequestOutput:
+        last = None
+        async for out in gen:
+            last = out
+        return last
+
+    task = asyncio.ensure_future(drain())
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await raw.is_disconnected():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            return None

@@ -1,0 +1,88 @@
+"""Helpers for tests that start real servers: a child process on 127.0.0.1 with a free port, the
+package importable (PYTHONPATH points at this checkout, so tests work installed or not), stopped
+by PID."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_env(**extra: str) -> dict:
+    path = os.environ.get("PYTHONPATH", "")
+    return dict(os.environ, PYTHONPATH=REPO + (os.pathsep + path if path else ""), **extra)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log_path: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}):\n{open(log_path).read()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} not healthy after {timeout} s:\n{open(log_path).read()[-3000:]}")
+
+
+def start_server(args: list[str], log_path: str, timeout: float = 180.0):
+    """``python -m minivllm.serve ARGS --port <free>``; returns (url, Popen)."""
+    port = free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "minivllm.serve", *args, "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env=child_env())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout, log_path)
+    except BaseException:
+        stop(proc)
+        raise
+    return url, proc
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def make_tiny_chat_model(path, smollm2_dir: str) -> str:
+    """A tiny random Llama (2 layers, hidden 64) with SmolLM2's tokenizer and chat template, so
+    that servers start and step in moments while text, chat templates and stop strings are real."""
+    import shutil
+    from conftest import make_tiny_llama
+    make_tiny_llama(path, vocab_size=49152, max_position_embeddings=1024,
+                    bos_token_id=1, eos_token_id=2)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "generation_config.json"):
+        if os.path.exists(os.path.join(smollm2_dir, name)):
+            shutil.copy(os.path.join(smollm2_dir, name), os.path.join(str(path), name))
+    return str(path)
+
+
+def metric(url: str, name: str) -> float:
+    """One sample of ``GET /metrics`` (Prometheus text), by its full name."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert m is not None, f"{name} missing from /metrics"
+    return float(m.group(1))

@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa")
+# Methods whose drafter is a trained head over the target's hidden states (DESIGN 5.1).
+LEARNED_DRAFTER_METHODS = ("eagle", "eagle3", "medusa")
 NGRAM_MATCH_RULES = ("first", "last")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -73,7 +75,9 @@ class SpeculativeConfig:
     prompt_lookup_min: Optional[int] = None
     prompt_lookup_max: Optional[int] = None
     ngram_match: str = "first"
-    model: Optional[str] = None            # draft_model: a smaller checkpoint, same tokenizer
+    # draft_model: a smaller checkpoint, same tokenizer; eagle/eagle3/medusa: a vLLM-format head
+    # directory (left out on the default model: the heads shipped in the package)
+    model: Optional[str] = None
     draft_num_layers: Optional[int] = None  # draft_model: self-draft from the target's first N layers
 
     def __post_init__(self) -> None:
@@ -103,15 +107,20 @@ class SpeculativeConfig:
             if (self.model is None) == (self.draft_num_layers is None):
                 raise ValueError("speculative_config for method 'draft_model' needs exactly one of "
                                  "'model' (a draft checkpoint) or 'draft_num_layers' (a self-draft).")
+        if self.method in LEARNED_DRAFTER_METHODS and self.draft_num_layers is not None:
+            raise ValueError("speculative_config.draft_num_layers is for method 'draft_model' "
+                             f"only, not {self.method!r}.")
 
     def use_eagle(self) -> bool:
-        return False
+        """vLLM's ``SpeculativeConfig.use_eagle``: drives the drafter type, the lookahead slots and
+        the prefix-cache rule (recompute the last matched block)."""
+        return self.method in ("eagle", "eagle3")
 
     @property
     def needs_lookahead_slots(self) -> bool:
-        # A draft model writes KV for its own drafts, so their slots must exist when it proposes
-        # (vLLM reserves these for EAGLE-style drafters only; n-gram writes no KV).
-        return self.method == "draft_model"
+        # EAGLE (and minivllm's draft model) writes KV for its own drafts, so their slots must exist
+        # when it proposes. n-gram and Medusa write no KV and reserve none, as in vLLM.
+        return self.method == "draft_model" or self.use_eagle()
 
     @classmethod
     def from_dict(cls, cfg: "SpeculativeConfig | dict[str, Any] | None") -> Optional["SpeculativeConfig"]:

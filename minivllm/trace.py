@@ -13,6 +13,10 @@ Event kinds (each a plain dict with ``"kind"`` plus the fields listed):
 - ``"prefix_hit"``: req_id, num_local_computed_tokens, num_external_computed_tokens
 - ``"preempt"``: req_id, num_computed_tokens_before
 - ``"spec_propose"``: drafts {req_id: [token ids]}
+- ``"spec_draft_pass"``: one per EAGLE / EAGLE-3 draft pass: method, pass_idx (0 = the pass over the
+  target's tokens), req_ids, query_start_loc, positions, slot_mapping (-1 = write skipped),
+  input_ids, draft_token_ids; Medusa: method, pass_idx 0, req_ids, hidden_state_rows,
+  draft_token_ids [per request: k ids]
 - ``"spec_verify"``: req_id, positions [ {draft_token_id, p_target, p_draft, uniform, accepted, kind,
   output_token_id} ]  (kind in accepted | recovered | bonus)
 - ``"connector"``: role, method, req_id (optional), args, result, bytes

@@ -6,14 +6,16 @@ requests are done, with a tqdm bar over finished requests.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Optional, Sequence, Union
 
 import torch
 from tqdm.auto import tqdm
 
-from minivllm.config import (ATTENTION_BACKENDS, CacheConfig, KVTransferConfig, ModelConfig,
-                             SchedulerConfig, SpeculativeConfig, VllmConfig)
+from minivllm.config import (ATTENTION_BACKENDS, LEARNED_DRAFTER_METHODS, CacheConfig,
+                             KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
+                             VllmConfig)
 from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.metrics import Counter, Gauge, Metric, Vector
 from minivllm.outputs import RequestOutput
@@ -83,6 +85,10 @@ class LLM:
         if spec is not None and spec.method == "draft_model" and spec.model is not None:
             from minivllm.spec_decode.draft_model import validate_draft_model
             validate_draft_model(spec, hf_config)
+        if spec is not None and spec.method in LEARNED_DRAFTER_METHODS:
+            from minivllm.spec_decode.heads import validate_head
+            # A copy holding the resolved head directory (the caller's config stays as given).
+            spec = dataclasses.replace(spec, model=validate_head(spec, hf_config, model))
         if spec is not None and spec.draft_num_layers is not None:
             n = hf_config.num_hidden_layers
             if not 1 <= spec.draft_num_layers <= n - 1:

@@ -3,6 +3,16 @@
 A drafter has ``load_model(target_model)`` (article "Setup / load model": a no-op for n-gram) and
 ``propose_for_batch(runner, limits, scheduler_output) -> {req_id: drafts}``, called by
 ``ModelRunner.propose_draft_token_ids`` once per step with each request's draft limit.
+
+| method | drafter | file |
+|---|---|---|
+| ``ngram`` | ``NgramDrafter`` / ``NgramProposer`` | ngram_proposer.py |
+| ``draft_model`` | ``DraftModelProposer`` | draft_model.py |
+| ``eagle``, ``eagle3`` | ``EagleProposer`` | eagle.py (heads: models/llama_eagle.py, llama_eagle3.py) |
+| ``medusa`` | ``MedusaProposer`` | medusa.py (heads: models/medusa.py) |
+
+Drafters with ``uses_target_hidden_states = True`` read the target's step
+(``runner.target_step_outputs``, see utils.py).
 """
 from __future__ import annotations
 
@@ -47,4 +57,10 @@ def create_drafter(vllm_config: VllmConfig, device: torch.device, dtype: torch.d
     if method == "draft_model":
         from minivllm.spec_decode.draft_model import DraftModelProposer
         return DraftModelProposer(vllm_config, device, dtype)
+    if method in ("eagle", "eagle3"):
+        from minivllm.spec_decode.eagle import EagleProposer
+        return EagleProposer(vllm_config, device, dtype)
+    if method == "medusa":
+        from minivllm.spec_decode.medusa import MedusaProposer
+        return MedusaProposer(vllm_config, device, dtype)
     raise ValueError(f"unknown speculative method {method!r}")

@@ -27,6 +27,7 @@ from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.rejection_sampler import RejectionSampler
 from minivllm.sample.sampler import Sampler
 from minivllm.spec_decode.metadata import SpecDecodeMetadata
+from minivllm.spec_decode.utils import TargetStepOutputs
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
 
 
@@ -66,6 +67,11 @@ class ModelRunner:
             from minivllm.spec_decode import create_drafter
             self.drafter = create_drafter(vllm_config, device, dtype)
             self.rejection_sampler = RejectionSampler(backend="auto")
+        # EAGLE-3 reads residual streams of the target (vLLM's use_aux_hidden_state_outputs); the
+        # learned drafters read this step's target states from target_step_outputs.
+        self.use_aux_hidden_state_outputs = (self.speculative_config is not None
+                                             and self.speculative_config.method == "eagle3")
+        self.target_step_outputs: Optional[TargetStepOutputs] = None
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
@@ -223,6 +229,9 @@ class ModelRunner:
             # P/D "context manager": enter -> start_load_kv, exit -> wait_for_save.
             with self._kv_connector_context(so) as kv_connector_output:
                 hidden_states = self.model(input_ids, positions)
+        aux_hidden_states = None
+        if self.use_aux_hidden_state_outputs:
+            hidden_states, aux_hidden_states = hidden_states
         logits = self.model.compute_logits(hidden_states[logits_indices])
 
         n = batch.num_reqs
@@ -261,7 +270,13 @@ class ModelRunner:
             trace.record("sampled", sampled=dict(zip(batch.req_ids, sampled_token_ids)))
 
         if self.drafter is not None:
+            if getattr(self.drafter, "uses_target_hidden_states", False):
+                self.target_step_outputs = TargetStepOutputs(
+                    input_ids.cpu().numpy(), positions.cpu().numpy(),
+                    md.slot_mapping.cpu().numpy(), md.query_start_loc.cpu().numpy(), seq_lens,
+                    hidden_states, aux_hidden_states, logits_indices, spec_md, sampled_token_ids)
             self._draft_token_ids = self.propose_draft_token_ids(sampled_token_ids, so)
+            self.target_step_outputs = None
         return ModelRunnerOutput(list(batch.req_ids), dict(batch.req_id_to_index),
                                  sampled_token_ids, kv_connector_output=kv_connector_output)
 

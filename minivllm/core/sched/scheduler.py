@@ -48,13 +48,14 @@ class Scheduler:
         spec = vllm_config.speculative_config
         self.num_spec_tokens = spec.num_speculative_tokens if spec else 0
         # vLLM reserves lookahead slots for EAGLE-style drafters only; minivllm's draft model writes KV
-        # for its drafts too, so it needs them as well. n-gram writes no KV and reserves none.
+        # for its drafts too, so it needs them as well. n-gram and Medusa write no KV, reserve none.
         self.num_lookahead_tokens = self.num_spec_tokens if spec and spec.needs_lookahead_slots else 0
         self.spec_decoding_stats = SpecDecodingStats(self.num_spec_tokens) if spec else None
 
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks=num_gpu_blocks, block_size=self.block_size,
-            max_model_len=self.max_model_len, enable_caching=cache.enable_prefix_caching)
+            max_model_len=self.max_model_len, enable_caching=cache.enable_prefix_caching,
+            use_eagle=bool(spec and spec.use_eagle()))
         self.block_hasher = get_request_block_hasher(self.block_size)
 
         # P/D article step "Instantiation": the connector's scheduler-side instance.

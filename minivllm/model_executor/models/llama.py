@@ -189,14 +189,24 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, f"model.layers.{i}", attention_backend) for i in range(num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # EAGLE-3: indices of the layers whose *incoming* residual stream is also returned.
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+                inputs_embeds: Optional[torch.Tensor] = None):
+        """-> final-normed hidden states ``[num_tokens, H]``; with ``aux_hidden_state_layers`` set,
+        ``(hidden_states, [aux [num_tokens, H] per layer, in layer order])`` (vLLM's layout)."""
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
-        for layer in self.layers:
+        aux_hidden_states = []
+        for idx, layer in enumerate(self.layers):
+            if idx in self.aux_hidden_state_layers:   # un-normalised stream entering layer idx
+                aux_hidden_states.append(hidden_states if residual is None
+                                         else hidden_states + residual)
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
+        if aux_hidden_states:
+            return hidden_states, aux_hidden_states
         return hidden_states
 
 
@@ -228,9 +238,19 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``input_ids``, ``positions`` ``[num_tokens]`` -> hidden states ``[num_tokens, hidden_size]``."""
+                inputs_embeds: Optional[torch.Tensor] = None):
+        """``input_ids``, ``positions`` ``[num_tokens]`` -> hidden states ``[num_tokens, hidden_size]``
+        (plus the list of aux hidden states once ``set_aux_hidden_state_layers`` was called)."""
         return self.model(input_ids, positions, inputs_embeds)
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        """EAGLE-3 (vLLM ``SupportsEagle3``): also return the residual stream entering ``layers``."""
+        self.model.aux_hidden_state_layers = tuple(layers)
+
+    def get_eagle3_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        """vLLM's default taps: the stream entering layers 2, L // 2 and L - 3."""
+        n = self.config.num_hidden_layers
+        return (2, n // 2, n - 3)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden_size]`` -> float32 logits ``[n, vocab_size]`` (called on sampled rows only)."""

@@ -1,0 +1,34 @@
+"""What the learned drafters (EAGLE, EAGLE-3, Medusa) read from the target's step.
+
+vLLM's ``GPUModelRunner.propose_draft_token_ids`` passes these as arguments (target token ids,
+positions, hidden states, ``sample_hidden_states``, ``common_attn_metadata``); minivllm's runner keeps
+them in one ``TargetStepOutputs`` that the drafter reads, and only when the drafter asks for them
+(``uses_target_hidden_states``), so plain decoding and n-gram pay nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from minivllm.spec_decode.metadata import SpecDecodeMetadata
+
+# vLLM's PADDING_SLOT_ID: a token whose K/V must not be written (both attention backends skip it).
+PADDING_SLOT_ID = -1
+
+
+@dataclass
+class TargetStepOutputs:
+    """One target forward: ``T`` scheduled tokens of ``n`` requests (batch row order)."""
+    input_ids: np.ndarray                # [T] token fed at each position
+    positions: np.ndarray                # [T]
+    slot_mapping: np.ndarray             # [T] where each token's K/V went (the draft reuses it)
+    query_start_loc: np.ndarray          # [n + 1] cumulative scheduled tokens
+    seq_lens: np.ndarray                 # [n] context length after this step's tokens
+    hidden_states: torch.Tensor          # [T, H] final-normed (EAGLE-1, Medusa)
+    aux_hidden_states: Optional[list[torch.Tensor]]   # EAGLE-3: 3 x [T, H] residual streams
+    logits_indices: torch.Tensor         # rows of hidden_states that were sampled from
+    spec_decode_metadata: Optional[SpecDecodeMetadata]
+    sampled_token_ids: list[list[int]]   # per request; [] for a partial prefill chunk

@@ -31,8 +31,8 @@ from minivllm.train.loop import Trainer, evaluate, run_training
 METHODS = ("eagle", "eagle3", "medusa")
 # (full, quick) defaults; chosen so that the full runs fit 20 minutes on two loaded CPU cores.
 DEFAULTS = {
-    "num_prompts": (256, 48), "max_tokens": (112, 64), "batch_size": (8, 8),
-    "epochs": {"medusa": (6, 3), "eagle": (4, 3), "eagle3": (4, 3)},
+    "num_prompts": (128, 32), "max_tokens": (96, 48), "batch_size": (8, 8),
+    "epochs": {"medusa": (8, 4), "eagle": (6, 4), "eagle3": (4, 3)},
     "lr": {"medusa": (1e-3, 2e-3), "eagle": (1e-3, 2e-3), "eagle3": (1e-3, 2e-3)},
     "draft_vocab_size": {"medusa": (1024, 1024), "eagle": (2048, 1024), "eagle3": (2048, 1024)},
 }
@@ -126,6 +126,9 @@ def train(cfg: TrainConfig, data: Optional[DistillData] = None) -> TrainResult:
     if data is None:
         data = load_or_build(cfg.model, cfg.num_prompts, cfg.max_tokens, cfg.use_cache)
     t_data = time.perf_counter() - t0
+    if cfg.method == "eagle3" and data.train[0].aux.shape[-1] == 0:
+        raise ValueError(f"model={cfg.model!r}: EAGLE-3 needs 3 distinct target layers "
+                         "(2, L//2, L-3); this target is too shallow.")
     path = resolve_model_path(cfg.model)
     target = load_model(path, torch.float32, torch.device("cpu"))
     embed = target.model.embed_tokens.weight.detach()

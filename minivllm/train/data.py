@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minivllm.model_executor.model_loader import cache_dir, load_model, resolve_model_path
-from minivllm.train.dense import target_hidden_states
+from minivllm.train.dense import eagle3_aux_layers, target_hidden_states
 
 DATA_VERSION = 1
 HELD_OUT_EVERY = 10
@@ -136,11 +136,15 @@ def _build(path: str, prompts: list, max_tokens: int, has_tokenizer: bool) -> Di
     samples: list[Sample] = [None] * len(seqs)   # type: ignore[list-item]
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]) + len(seqs[i][1]))
     batch = 8
+    aux_ids = eagle3_aux_layers(model.config.num_hidden_layers)
+    want_aux = len(set(aux_ids)) == 3 and min(aux_ids) >= 0   # else the target can't serve EAGLE-3
     for start in tqdm(range(0, len(order), batch), desc="target hidden states", dynamic_ncols=True):
         idx = order[start:start + batch]
         ids = [torch.tensor(seqs[i][0] + seqs[i][1]) for i in idx]
         padded = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True)
-        hidden, aux = target_hidden_states(model, padded)
+        hidden, aux = target_hidden_states(model, padded, want_aux)
+        if aux is None:
+            aux = hidden[..., :0]
         for row, i in enumerate(idx):
             n = len(ids[row])
             samples[i] = Sample(ids[row], len(seqs[i][0]), hidden[row, :n].half().clone(),

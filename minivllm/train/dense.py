@@ -55,9 +55,9 @@ def target_hidden_states(model: LlamaForCausalLM, input_ids: torch.Tensor,
     positions = torch.arange(t).expand(b, t)
     inner = model.model
     aux_ids = eagle3_aux_layers(len(inner.layers)) if want_aux else ()
-    if any(not 0 <= i < len(inner.layers) for i in aux_ids):
-        raise ValueError(f"EAGLE-3 needs a target with at least 3 decoder layers (aux layers "
-                         f"{aux_ids}), this one has {len(inner.layers)}.")
+    if len(set(aux_ids)) != len(aux_ids) or any(not 0 <= i < len(inner.layers) for i in aux_ids):
+        raise ValueError(f"EAGLE-3 needs 3 distinct target layers (2, L//2, L-3), got {aux_ids} "
+                         f"for num_hidden_layers={len(inner.layers)}: use a deeper target.")
     hidden = inner.embed_tokens(input_ids)
     residual = None
     aux = {}

@@ -220,9 +220,10 @@ def main(argv=None) -> None:
     for method in [m for m in args.learned.split(",") if m]:
         if method not in ("eagle", "eagle3", "medusa"):
             ap.error(f"--learned: unknown method {method!r} (eagle, eagle3, medusa)")
-        specs[method] = dict(method=method, num_speculative_tokens=k)
-        if args.heads_dir:
-            specs[method]["model"] = os.path.join(args.heads_dir, method)
+        from minivllm.spec_decode.heads import shipped_head_dir
+        # The engines get the resolved checkpoint path, so the head is named explicitly.
+        specs[method] = dict(method=method, num_speculative_tokens=k, model=os.path.join(
+            args.heads_dir, method) if args.heads_dir else shipped_head_dir(method))
     runners = {}
     for name, spec in tqdm(specs.items(), desc="loading engines", dynamic_ncols=True):
         runners[name] = MiniVLLMRunner(path, spec, args.max_tokens, num_blocks)

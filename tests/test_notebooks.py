@@ -65,6 +65,12 @@ def test_notebooks_are_stored_without_outputs():
     ("03_disaggregated_prefill_decode.ipynb", ["num_cached_tokens 16 of",
                                                "decode after a KV load == single instance: True",
                                                "same first token: True"]),
+    ("05_learned_drafters.ipynb", ["held-out acceptance per draft position: [",
+                                   "pass 1 wrote the target's own slots: True",
+                                   "all in req demo's block table: True",
+                                   "Medusa   identical greedy tokens to plain: True",
+                                   "EAGLE-3  identical greedy tokens to plain: True",
+                                   "\u2713 eagle_first_pass_inputs"]),
 ])
 def test_notebook_runs(name, expected, monkeypatch):
     text = outputs_text(run_notebook(read(name), monkeypatch))

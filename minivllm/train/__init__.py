@@ -32,7 +32,7 @@ METHODS = ("eagle", "eagle3", "medusa")
 # (full, quick) defaults; chosen so that the full runs fit 20 minutes on two loaded CPU cores.
 DEFAULTS = {
     "num_prompts": (128, 32), "max_tokens": (96, 48), "batch_size": (8, 8),
-    "epochs": {"medusa": (8, 4), "eagle": (6, 4), "eagle3": (4, 3)},
+    "epochs": {"medusa": (8, 8), "eagle": (6, 4), "eagle3": (4, 3)},
     "lr": {"medusa": (1e-3, 2e-3), "eagle": (1e-3, 2e-3), "eagle3": (1e-3, 2e-3)},
     "draft_vocab_size": {"medusa": (1024, 1024), "eagle": (2048, 1024), "eagle3": (2048, 1024)},
 }

@@ -69,6 +69,12 @@ def test_notebooks_are_stored_without_outputs():
                                                "WAITING_FOR_REMOTE_KVS -> WAITING -> RUNNING",
                                                "async == sync == single instance: True",
                                                "redis-server stopped: True"]),
+    ("05_learned_drafters.ipynb", ["held-out acceptance per draft position: [",
+                                   "pass 1 wrote the target's own slots: True",
+                                   "all in req demo's block table: True",
+                                   "Medusa   identical greedy tokens to plain: True",
+                                   "EAGLE-3  identical greedy tokens to plain: True",
+                                   "\u2713 eagle_first_pass_inputs"]),
     ("06_pd_at_scale.ipynb", ["keys,", "1P+2D via the proxy", "children still running: []"]),
 ])
 def test_notebook_runs(name, expected, monkeypatch):

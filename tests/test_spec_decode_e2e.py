@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from conftest import make_tiny_llama, tiny_llm as tiny
 from minivllm import LLM, SamplingParams
 from minivllm.worker.input_batch import InputBatch
 from minivllm.worker.model_runner import ModelRunner
@@ -32,12 +32,7 @@ ENGINE_VARIANTS = {"default": {}, "no_prefix_caching": dict(enable_prefix_cachin
 SPEC = "vllm:spec_decode_num_"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matrices: threads only add synchronisation (and contention with other test processes).
-    n, _ = torch.get_num_threads(), torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +54,6 @@ def greedy(max_tokens=24, **kw):
 def run(llm, prompts=PROMPTS, params=None):
     outs = llm.generate(prompts_of(prompts), params or greedy(), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
-
-
-def tiny(model, spec=None, **kw):
-    return LLM(model=model, skip_tokenizer_init=True, block_size=4, speculative_config=spec, **kw)
 
 
 def runner_of(llm):

@@ -36,10 +36,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from minivllm.attention.layer import bind_kv_caches, kv_cache_bytes_per_token
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.config import SpeculativeConfig, VllmConfig
 from minivllm.forward_context import set_forward_context
+from minivllm.spec_decode.utils import DraftKVCacheMixin
 
 
 def validate_draft_model(spec: SpeculativeConfig, target_hf_config: Any) -> str:
@@ -96,7 +96,7 @@ class _RequestDraftState:
         self.num_fed = start + len(token_ids)
 
 
-class DraftModelProposer:
+class DraftModelProposer(DraftKVCacheMixin):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.vllm_config = vllm_config
         self.spec = vllm_config.speculative_config
@@ -116,14 +116,6 @@ class DraftModelProposer:
         from minivllm.model_executor.model_loader import load_model
         path = validate_draft_model(self.spec, target_model.config)
         self.model = load_model(path, self.dtype, self.device, attention_backend=backend)
-
-    def kv_cache_bytes_per_token(self) -> int:
-        return kv_cache_bytes_per_token(self.model.attn_layers().values(), self.dtype)
-
-    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
-        bind_kv_caches(self.model.attn_layers().values(), num_blocks, block_size, self.dtype,
-                       self.device)
 
     # ------------------------------------------------------------------ proposing
     def _sync_states(self, runner: Any, so: Any) -> None:

@@ -28,11 +28,10 @@ import numpy as np
 import torch
 
 from minivllm import trace
-from minivllm.attention.layer import bind_kv_caches, kv_cache_bytes_per_token
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.config import VllmConfig
 from minivllm.forward_context import set_forward_context
-from minivllm.spec_decode.utils import PADDING_SLOT_ID, TargetStepOutputs
+from minivllm.spec_decode.utils import PADDING_SLOT_ID, DraftKVCacheMixin, TargetStepOutputs
 
 
 def prepare_inputs(cu_target_query_lens: np.ndarray,
@@ -49,7 +48,7 @@ def prepare_inputs(cu_target_query_lens: np.ndarray,
     return cu_num_tokens, token_indices.astype(np.int64)
 
 
-class EagleProposer:
+class EagleProposer(DraftKVCacheMixin):
     uses_target_hidden_states = True
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, dtype: torch.dtype) -> None:
@@ -74,15 +73,6 @@ class EagleProposer:
             config = read_head_config(path, "eagle3")
             target_model.set_aux_hidden_state_layers(
                 aux_layer_ids(config, target_model.config, path))
-
-    def kv_cache_bytes_per_token(self) -> int:
-        return kv_cache_bytes_per_token(self.model.attn_layers().values(), self.dtype)
-
-    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """The draft layers get caches shaped like the target's: same blocks, same slots."""
-        self.block_size = block_size
-        bind_kv_caches(self.model.attn_layers().values(), num_blocks, block_size, self.dtype,
-                       self.device)
 
     # ------------------------------------------------------------------ proposing
     def propose_for_batch(self, runner: Any, limits: dict[str, int],

@@ -13,6 +13,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from minivllm.attention.layer import bind_kv_caches, kv_cache_bytes_per_token
 from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
 # vLLM's PADDING_SLOT_ID: a token whose K/V must not be written (both attention backends skip it).
@@ -32,3 +33,17 @@ class TargetStepOutputs:
     logits_indices: torch.Tensor         # rows of hidden_states that were sampled from
     spec_decode_metadata: Optional[SpecDecodeMetadata]
     sampled_token_ids: list[list[int]]   # per request; [] for a partial prefill chunk
+
+
+class DraftKVCacheMixin:
+    """For drafters with attention layers of their own (the draft model, EAGLE's head): their K/V
+    lives in caches shaped like the target's, indexed by the same blocks and slots. Needs
+    ``self.model`` (with ``attn_layers()``), ``self.dtype`` and ``self.device``."""
+
+    def kv_cache_bytes_per_token(self) -> int:
+        return kv_cache_bytes_per_token(self.model.attn_layers().values(), self.dtype)
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        bind_kv_caches(self.model.attn_layers().values(), num_blocks, block_size, self.dtype,
+                       self.device)

@@ -85,3 +85,30 @@ def generate_tokens(llm, prompts: list[list[int]], params) -> list[list[int]]:
     """Each prompt's output token ids."""
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
+
+
+def runner_of(llm):
+    """The ``ModelRunner`` behind an ``LLM`` (everything runs in this process)."""
+    return llm.llm_engine.engine_core.worker.model_runner
+
+
+_PLAIN: dict = {}
+
+
+def plain_greedy_tokens(model: str, prompts: list[list[int]], max_tokens: int,
+                        **llm_kw) -> list[list[int]]:
+    """Greedy outputs without speculative decoding (``ignore_eos``), computed once per model,
+    prompts, length and engine arguments: the reference the spec-decode tests compare against."""
+    from minivllm import SamplingParams
+    key = (model, str(prompts), max_tokens, str(sorted(llm_kw.items())))
+    if key not in _PLAIN:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        _PLAIN[key] = generate_tokens(tiny_llm(model, **llm_kw), prompts, params)
+    return _PLAIN[key]
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(smollm2_dir, tmp_path_factory) -> str:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template (the server tests)."""
+    from server_utils import make_tiny_chat_model
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"), smollm2_dir)

@@ -11,14 +11,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
 
-from server_utils import child_env, free_port, make_tiny_chat_model, metric
+from server_utils import child_env, free_port, metric
 
 NUM_REQUESTS = 20
 SERVER_ARGS = "--max-model-len 512 --num-gpu-blocks-override 128"
@@ -37,8 +36,8 @@ def pid_alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def model_dir(smollm2_dir, tmp_path_factory) -> str:
-    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"), smollm2_dir)
+def model_dir(tiny_chat_dir) -> str:
+    return tiny_chat_dir
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import generate_tokens, make_tiny_llama, tiny_llm as tiny
+from conftest import generate_tokens, make_tiny_llama, plain_greedy_tokens, tiny_llm as tiny
 from learned_heads import dense_eagle_drafts, load_tensors, make_eagle_head
 from minivllm import SamplingParams
 from minivllm.spec_decode.eagle import EagleProposer, prepare_inputs
@@ -57,14 +57,8 @@ def metrics(llm) -> dict:
     return {m.name: getattr(m, "values", getattr(m, "value", None)) for m in llm.get_metrics()}
 
 
-_plain: dict = {}
-
-
 def plain(model, prompts=PROMPTS, max_tokens=20, **kw):
-    key = (model, str(prompts), max_tokens, str(kw))
-    if key not in _plain:
-        _plain[key] = run(tiny(model, **kw), prompts, greedy(max_tokens))
-    return _plain[key]
+    return plain_greedy_tokens(model, prompts, max_tokens, **kw)
 
 
 def test_prepare_inputs_worked_example():

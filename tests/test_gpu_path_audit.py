@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from conftest import runner_of
 from minivllm import LLM, SamplingParams
 from minivllm.config import KVTransferConfig
 
@@ -83,23 +84,9 @@ class HostSyncRecorder(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def watch(self, llm) -> None:
-        for layer in _find_runner(llm).model.model.layers:
+        for layer in runner_of(llm).model.model.layers:
             layer.register_forward_pre_hook(lambda *_: setattr(self, "depth", self.depth + 1))
             layer.register_forward_hook(lambda *_: setattr(self, "depth", self.depth - 1))
-
-
-def _find_runner(llm):
-    from minivllm.worker.model_runner import ModelRunner
-    seen, todo = set(), [llm.llm_engine]
-    while todo:    # walk the engine's attributes down to its model runner
-        obj = todo.pop()
-        if isinstance(obj, ModelRunner):
-            return obj
-        if id(obj) in seen or not hasattr(obj, "__dict__"):
-            continue
-        seen.add(id(obj))
-        todo.extend(v for v in vars(obj).values() if hasattr(v, "__dict__"))
-    raise AssertionError("no ModelRunner found under llm.llm_engine")
 
 
 def test_no_host_sync_inside_the_per_layer_forward(tiny_gqa_dir, tmp_path):
@@ -119,7 +106,7 @@ def test_recorder_sees_a_sync_inside_a_layer(tiny_gqa_dir):
     same call between layers is not."""
     llm = _llm(tiny_gqa_dir, "triton", spec=None)
     recorder = HostSyncRecorder(roots=(PKG, os.path.dirname(os.path.abspath(__file__))))
-    layers = _find_runner(llm).model.model.layers
+    layers = runner_of(llm).model.model.layers
 
     def sync_in_layer(module, args):
         args[1].sum().item()

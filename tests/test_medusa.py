@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import generate_tokens, make_tiny_llama, tiny_llm as tiny
+from conftest import generate_tokens, make_tiny_llama, plain_greedy_tokens, tiny_llm as tiny
 from learned_heads import dense_medusa_drafts, load_tensors, make_medusa_head
 from minivllm import SamplingParams
 from minivllm.spec_decode.medusa import last_accepted_rows
@@ -37,14 +37,8 @@ def spec(head, k=3):
     return {"method": "medusa", "model": head, "num_speculative_tokens": k}
 
 
-_plain: dict = {}
-
-
 def plain(model, prompts=PROMPTS, max_tokens=16):
-    key = (model, str(prompts), max_tokens)
-    if key not in _plain:
-        _plain[key] = run(tiny(model), prompts, greedy(max_tokens))
-    return _plain[key]
+    return plain_greedy_tokens(model, prompts, max_tokens)
 
 
 def test_last_accepted_rows():

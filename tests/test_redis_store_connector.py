@@ -13,7 +13,6 @@ import pytest
 import redis
 import torch
 
-from conftest import make_tiny_llama
 from minivllm import LLM, SamplingParams
 from minivllm.config import KVTransferConfig
 from minivllm.distributed.kv_transfer import redis_store

@@ -11,7 +11,6 @@ import redis
 import torch
 
 from minivllm import LLM
-from minivllm.config import KVTransferConfig
 from minivllm.distributed.kv_transfer import redis_store
 from minivllm.kvstore import RedisServer
 from test_redis_store_connector import GREEDY, PREFILL, ktc, llm, prompts, tokens, worker_stats

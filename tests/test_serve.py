@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from server_utils import make_tiny_chat_model, metric, start_server, stop
+from server_utils import metric, start_server, stop
 
 MAX_PENDING = 4
 SERVER_ARGS = ["--max-model-len", "512", "--num-gpu-blocks-override", "96", "--num-threads", "1",
@@ -23,8 +23,8 @@ PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):",
 
 
 @pytest.fixture(scope="module")
-def model_dir(smollm2_dir, tmp_path_factory) -> str:
-    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"), smollm2_dir)
+def model_dir(tiny_chat_dir) -> str:
+    return tiny_chat_dir
 
 
 @pytest.fixture(scope="module")

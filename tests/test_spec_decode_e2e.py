@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_tiny_llama, tiny_llm as tiny
+from conftest import (generate_tokens, make_tiny_llama, plain_greedy_tokens, runner_of,
+                      tiny_llm as tiny)
 from minivllm import LLM, SamplingParams
 from minivllm.worker.input_batch import InputBatch
 from minivllm.worker.model_runner import ModelRunner
@@ -52,12 +53,7 @@ def greedy(max_tokens=24, **kw):
 
 
 def run(llm, prompts=PROMPTS, params=None):
-    outs = llm.generate(prompts_of(prompts), params or greedy(), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def runner_of(llm):
-    return llm.llm_engine.engine_core.worker.model_runner
+    return generate_tokens(llm, prompts, params or greedy())
 
 
 def metrics(llm) -> dict:
@@ -77,14 +73,8 @@ def assert_no_leak(llm):
     assert pool.get_num_free_blocks() == llm.vllm_config.cache_config.num_gpu_blocks - 1
 
 
-_reference: dict = {}
-
-
 def reference(model, prompts=PROMPTS, max_tokens=24):
-    key = (model, str(prompts), max_tokens)
-    if key not in _reference:
-        _reference[key] = run(tiny(model), prompts, greedy(max_tokens))
-    return _reference[key]
+    return plain_greedy_tokens(model, prompts, max_tokens)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

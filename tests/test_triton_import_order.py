@@ -61,7 +61,7 @@ CHECK = textwrap.dedent("""
 
 def _run(first_imports: str, model_dir: str, env_extra: dict | None = None,
          body: str = CHECK) -> subprocess.CompletedProcess:
-    env = {**os.environ, **(env_extra or {})}
+    env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)   # as in a new terminal
     env.update(env_extra or {})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))

@@ -13,7 +13,6 @@ optimiser loop and the held-out evaluation), ``export`` (the vLLM-format directo
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time

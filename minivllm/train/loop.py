@@ -18,7 +18,6 @@ import torch
 from tqdm.auto import tqdm
 
 from minivllm.train.data import Sample
-from minivllm.train.heads import EagleDraft, MedusaHeads
 from minivllm.train.losses import IGNORE_INDEX, eagle3_loss, eagle_loss, medusa_loss
 
 

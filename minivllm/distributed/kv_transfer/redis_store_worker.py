@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from minivllm import trace
 from minivllm.distributed.kv_transfer import redis_store
 from minivllm.host_copy import copy_to_device, copy_to_host, wait_for_copies_to_host
 

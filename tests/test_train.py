@@ -102,6 +102,8 @@ def test_bad_config_is_a_value_error_naming_the_field():
         TrainConfig(method="medusa", epochs=0)
     with pytest.raises(ValueError, match="k must"):
         TrainConfig(method="eagle", k=0)
+    with pytest.raises(ValueError, match="labels"):
+        TrainConfig(method="eagle3", labels="smooth")
 
 
 # ---------- training on a tiny random Llama ----------
@@ -128,10 +130,45 @@ def test_data_is_split_and_cached(tiny_setup, tmp_path, monkeypatch):
     assert all(len(x.token_ids) > x.prompt_len for x in data.train)
     monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
     small = load_or_build(model, num_prompts=4, max_tokens=8)
-    assert len(os.listdir(tmp_path / "train")) == 1
+    assert len([f for f in os.listdir(tmp_path / "train") if f.endswith(".pt")]) == 1
     again = load_or_build(model, num_prompts=4, max_tokens=8)         # from the cache
     assert torch.equal(again.train[0].token_ids, small.train[0].token_ids)
     assert torch.equal(small.train[0].token_ids, data.train[0].token_ids[:len(small.train[0].token_ids)])
+
+
+def test_trainings_started_side_by_side_build_the_data_once(tiny_setup, tmp_path):
+    """``python -m minivllm.train data`` and two trainings' data loads at the same moment: one
+    builds under the cache lock, the others read its file (same ``info``, build time included)."""
+    import subprocess
+    import sys
+    model, _, _ = tiny_setup
+    env = dict(os.environ, MINIVLLM_CACHE_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    code = ("import json, sys; from minivllm.train.data import load_or_build; "
+            "print(json.dumps(load_or_build(sys.argv[1], 10, 8).info))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, model], env=env, text=True,
+                              stdout=subprocess.PIPE) for _ in range(2)]
+    cli = subprocess.run([sys.executable, "-m", "minivllm.train", "data", "--model", model,
+                          "--num-prompts", "10", "--max-tokens", "8"], env=env, text=True,
+                         capture_output=True, timeout=300)
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert cli.returncode == 0, cli.stderr
+    infos = [json.loads(o) for o in outs]
+    shown = json.loads(cli.stdout)
+    assert infos[0] == infos[1] and infos[0]["data_s"] == shown["data_s"] > 0
+    assert shown["held_out_prompts"] == 1 and shown["train_prompts"] == 9
+
+
+def test_recorded_states_equal_a_dense_pass(tiny_setup):
+    """The states recorded while the engine generated (paged, batched, chunked) are the target's
+    dense hidden states over prompt + answer, to float16 rounding."""
+    from minivllm.model_executor.model_loader import load_model
+    from minivllm.train.dense import target_hidden_states
+    model, data, _ = tiny_setup
+    target = load_model(model, torch.float32, torch.device("cpu"))
+    for s in data.train[:3] + data.held_out[:1]:
+        hidden, aux = target_hidden_states(target, s.token_ids[None], True)
+        torch.testing.assert_close(s.hidden.float(), hidden[0], atol=5e-3, rtol=2e-3)
+        torch.testing.assert_close(s.aux.float(), aux[0], atol=5e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
@@ -141,7 +178,7 @@ def test_quick_training_writes_vllm_checkpoint(tiny_setup, method):
     cannot learn a random model's two-steps-ahead token at all (its test runs on SmolLM2)."""
     model, data, root = tiny_setup
     out = str(root / method)
-    cfg = _tiny_cfg(model, method, out=out, epochs=8, lr=3e-3, batch_size=4)
+    cfg = _tiny_cfg(model, method, out=out, epochs=8, lr=3e-3, batch_size=4, labels="soft")
     result = train(cfg, data=data)
     from minivllm.model_executor.model_loader import load_model
     target = load_model(model, torch.float32, torch.device("cpu"))
@@ -237,6 +274,23 @@ def _check_runtime_agrees(model, method, head_dir, head, target, sample):
             assert list(drafts) == dense[n - 2, :len(drafts)].tolist(), (method, n)
             checked += 1
     assert checked >= 5
+
+
+def test_eagle3_hard_labels_learn_the_greedy_token(tiny_setup):
+    """``labels="hard"`` (the shipped heads' setting): one-hot greedy targets still teach the
+    head. On this random model soft targets teach more (flat distributions, where the argmax is
+    nearly arbitrary); on SmolLM2 hard ones drafted better (README)."""
+    model, data, _ = tiny_setup
+    result = train(_tiny_cfg(model, "eagle3", epochs=8, lr=3e-3, batch_size=4, labels="hard"),
+                   data=data)
+    from minivllm.model_executor.model_loader import load_model
+    target = load_model(model, torch.float32, torch.device("cpu"))
+    torch.manual_seed(1)
+    fresh = build_head(result.config, target, result.head.d2t + torch.arange(len(result.head.d2t)))
+    before = evaluate("eagle3", fresh.eval(), target.model.embed_tokens.weight,
+                      target.lm_head.weight, data.held_out, 3)
+    assert result.losses[-1] < result.losses[0] / 2
+    assert result.eval["per_pos"][0] > before["per_pos"][0], (before, result.eval)
 
 
 def test_training_is_deterministic_for_a_seed(tiny_setup):

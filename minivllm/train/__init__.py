@@ -28,10 +28,10 @@ from minivllm.train.heads import DraftConfig, EagleDraft, MedusaHeads
 from minivllm.train.loop import Trainer, evaluate, run_training
 
 METHODS = ("eagle", "eagle3", "medusa")
-# (full, quick) defaults; chosen so that the full runs fit 20 minutes on two loaded CPU cores.
+# (full, quick) defaults; the full ones fit 20 minutes on two quiet CPU cores, data included (README).
 DEFAULTS = {
-    "num_prompts": (128, 32), "max_tokens": (96, 48), "batch_size": (8, 8),
-    "epochs": {"medusa": (8, 8), "eagle": (6, 4), "eagle3": (4, 3)},
+    "num_prompts": (400, 32), "max_tokens": (128, 48), "batch_size": (4, 8),
+    "epochs": {"medusa": (8, 8), "eagle": (8, 4), "eagle3": (8, 3)},
     "lr": {"medusa": (1e-3, 2e-3), "eagle": (1e-3, 2e-3), "eagle3": (1e-3, 2e-3)},
     "draft_vocab_size": {"medusa": (1024, 1024), "eagle": (2048, 1024), "eagle3": (2048, 1024)},
 }
@@ -57,6 +57,9 @@ class TrainConfig:
     intermediate_size: Optional[int] = None  # EAGLE MLP width; default the target's // 3
     num_layers: int = 1            # Medusa residual blocks per head
     noise: float = 0.2             # EAGLE-1 uniform feature noise width
+    # EAGLE-3's token loss: "soft" (the target's distribution over the draft vocab, as published) or
+    # "hard" (the greedy token: what acceptance at temperature 0 checks; measured better here).
+    labels: str = "hard"
     threads: Optional[int] = None
     dtype: str = "float16"
     use_cache: bool = True
@@ -73,6 +76,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
         if self.lr is not None and not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}.")
+        if self.labels not in ("soft", "hard"):
+            raise ValueError(f"labels must be 'soft' or 'hard', got {self.labels!r}.")
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}.")
         if self.dtype not in ("float16", "bfloat16", "float32"):
@@ -139,7 +144,8 @@ def train(cfg: TrainConfig, data: Optional[DistillData] = None) -> TrainResult:
     torch.manual_seed(cfg.seed)
     head = build_head(cfg, target, vocab_ids)
     gen = torch.Generator().manual_seed(cfg.seed)
-    trainer = Trainer(cfg.method, head, embed, lm_head, vocab_ids, cfg.k, cfg.noise, gen)
+    trainer = Trainer(cfg.method, head, embed, lm_head, vocab_ids, cfg.k, cfg.noise, gen,
+                      cfg.labels == "soft")
     t1 = time.perf_counter()
     losses = run_training(trainer, data.train, cfg.epochs, cfg.batch_size, cfg.lr, gen,
                           desc=f"train {cfg.method}")

@@ -10,7 +10,7 @@ from minivllm.train import METHODS, TrainConfig, train
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m minivllm.train",
                                  description="Train a learned drafter by self-distillation.")
-    ap.add_argument("method", choices=METHODS)
+    ap.add_argument("method", choices=METHODS + ("data",))
     ap.add_argument("--model", default=TrainConfig.model)
     ap.add_argument("--quick", action="store_true", help="small data and few steps (~2 minutes)")
     ap.add_argument("--out", default=None, help="write the vLLM-format head directory here")
@@ -21,20 +21,38 @@ def main(argv=None) -> None:
         ap.add_argument(f"--{name}", type=int, default=None)
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--noise", type=float, default=0.2)
+    ap.add_argument("--labels", choices=("hard", "soft"), default="hard",
+                    help="EAGLE-3 token loss: the greedy token or the target's distribution")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--no-cache", action="store_true", help="regenerate the data")
     a = ap.parse_args(argv)
+    if a.method == "data":
+        _data_only(a)
+        return
     cfg = TrainConfig(method=a.method, model=a.model, quick=a.quick, out=a.out, seed=a.seed, k=a.k,
                       num_prompts=a.num_prompts, max_tokens=a.max_tokens, epochs=a.epochs,
                       lr=a.lr, batch_size=a.batch_size, draft_vocab_size=a.draft_vocab_size,
                       intermediate_size=a.intermediate_size, noise=a.noise, threads=a.threads,
-                      dtype=a.dtype, use_cache=not a.no_cache)
+                      labels=a.labels, dtype=a.dtype, use_cache=not a.no_cache)
     result = train(cfg)
     print(json.dumps({k: result.info[k] for k in ("method", "steps", "data_s", "train_s",
                                                   "draft_vocab_coverage_of_answers", "held_out")},
                      indent=1))
     if a.out:
         print(f"wrote {a.out}")
+
+
+def _data_only(a) -> None:
+    import torch
+
+    from minivllm.train.data import load_or_build
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cfg = TrainConfig(method="medusa", model=a.model, quick=a.quick, num_prompts=a.num_prompts,
+                      max_tokens=a.max_tokens)   # only for the data defaults
+    data = load_or_build(cfg.model, cfg.num_prompts, cfg.max_tokens, use_cache=True)
+    print(json.dumps(dict(data.info, train_prompts=len(data.train),
+                          held_out_prompts=len(data.held_out)), indent=1))
 
 
 if __name__ == "__main__":

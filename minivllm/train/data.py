@@ -3,8 +3,8 @@ then the target's hidden states over prompt + answer, cached so that all three m
 
 Offline, nothing downloaded: ``prompts.json`` (in this package) holds hand-written instructions plus
 templates x topics. The target answers them with ``LLM.generate`` (greedy, batched), so the training
-labels are exactly what minivllm serves at temperature 0, and the hidden states come from
-``dense.target_hidden_states`` over the same weights (``load_model``). A fixed tenth of the prompts
+labels are exactly what minivllm serves at temperature 0, and the hidden states are recorded
+from that same run (``StateRecorder``): the numbers the engine computes. A fixed tenth of the prompts
 (every 10th) is held out for evaluation.
 
 Cache: ``$MINIVLLM_CACHE_DIR/train/<model>-<hash>.pt`` (default ``~/.cache/minivllm``), the hash
@@ -12,6 +12,7 @@ covering the checkpoint's config, the prompt texts, ``max_tokens`` and the data 
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -20,12 +21,11 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 import torch
-from tqdm.auto import tqdm
 
-from minivllm.model_executor.model_loader import cache_dir, load_model, resolve_model_path
-from minivllm.train.dense import eagle3_aux_layers, target_hidden_states
+from minivllm.model_executor.model_loader import cache_dir, resolve_model_path
+from minivllm.train.dense import eagle3_aux_layers
 
-DATA_VERSION = 1
+DATA_VERSION = 2
 HELD_OUT_EVERY = 10
 
 
@@ -97,16 +97,66 @@ def load_or_build(model: str, num_prompts: int, max_tokens: int,
         with open(os.path.join(path, "config.json")) as f:
             prompts = _random_prompts(num_prompts, json.load(f)["vocab_size"])
     cache = _cache_path(path, prompts, max_tokens)
-    if use_cache and os.path.isfile(cache):
-        blob = torch.load(cache, weights_only=False)
-        return DistillData(blob["train"], blob["held_out"], blob["info"])
-    data = _build(path, prompts, max_tokens, has_tokenizer)
-    if use_cache:
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
+    if not use_cache:
+        return _build(path, prompts, max_tokens, has_tokenizer)
+    os.makedirs(os.path.dirname(cache), exist_ok=True)
+    # Several trainings started side by side build the data once: the first holds the lock.
+    with open(cache + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isfile(cache):
+            blob = torch.load(cache, weights_only=False)
+            return DistillData(blob["train"], blob["held_out"], blob["info"])
+        data = _build(path, prompts, max_tokens, has_tokenizer)
         tmp = f"{cache}.{os.getpid()}.tmp"
         torch.save({"train": data.train, "held_out": data.held_out, "info": data.info}, tmp)
-        os.replace(tmp, cache)   # atomic: a parallel run never reads half a file
+        os.replace(tmp, cache)   # atomic: a reader never sees half a file
     return data
+
+
+class StateRecorder:
+    """Records the served target's hidden states at every position the engine runs, per request.
+
+    A forward hook on the model minivllm serves (``model_runner.model``): each forward's rows are
+    split by the attention metadata's ``query_start_loc`` into the persistent batch's requests
+    (row order = ``input_batch.req_ids``) and written at their ``positions``. With ``aux_layers``
+    the model also returns EAGLE-3's residual streams (vLLM's ``use_aux_hidden_state_outputs``), so
+    one ``LLM.generate`` yields the answers and every state training needs: no second pass. The last
+    sampled token of a request is never fed, so its state does not exist (the sample stops before).
+    """
+
+    def __init__(self, llm, aux_layers: tuple[int, ...]) -> None:
+        self.runner = llm.llm_engine.engine_core.worker.model_runner
+        self.aux_layers = aux_layers
+        if aux_layers:
+            self.runner.model.set_aux_hidden_state_layers(aux_layers)
+            self.runner.use_aux_hidden_state_outputs = True
+        self.hidden: dict[str, torch.Tensor] = {}    # req_id -> [prompt + max_tokens, H] float16
+        self.aux: dict[str, torch.Tensor] = {}       # req_id -> [prompt + max_tokens, 3H] float16
+        self._handle = self.runner.model.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output) -> None:
+        from minivllm.forward_context import get_forward_context
+        hidden, aux = output if isinstance(output, tuple) else (output, None)
+        positions = args[1]
+        qsl = get_forward_context().attn_metadata.query_start_loc.tolist()
+        aux = torch.cat(aux, dim=-1) if aux else None
+        for i, req_id in enumerate(self.runner.input_batch.req_ids):
+            rows = slice(qsl[i], qsl[i + 1])
+            if req_id not in self.hidden:   # room for prompt + max_tokens, not max_model_len
+                state = self.runner.requests[req_id]
+                n = min(self.runner.max_model_len,
+                        len(state.prompt_token_ids) + (state.sampling_params.max_tokens or 0))
+                h = hidden.shape[-1]
+                self.hidden[req_id] = torch.zeros(n, h, dtype=torch.float16)
+                self.aux[req_id] = torch.zeros(n, 0 if aux is None else aux.shape[-1],
+                                               dtype=torch.float16)
+            pos = positions[rows]
+            self.hidden[req_id][pos] = hidden[rows].half()
+            if aux is not None:
+                self.aux[req_id][pos] = aux[rows].half()
+
+    def close(self) -> None:
+        self._handle.remove()
 
 
 def _build(path: str, prompts: list, max_tokens: int, has_tokenizer: bool) -> DistillData:
@@ -127,32 +177,26 @@ def _build(path: str, prompts: list, max_tokens: int, has_tokenizer: bool) -> Di
     llm = LLM(model=path, seed=0, dtype="float32", skip_tokenizer_init=not has_tokenizer,
               enable_prefix_caching=False, max_num_seqs=min(256, len(prompt_ids)),
               kv_cache_memory_bytes=3 << 30)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
-                        SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
-    del llm
-    t_gen = time.perf_counter() - t0
-    seqs = [(p, list(o.outputs[0].token_ids)) for p, o in zip(prompt_ids, outs)]
-    model = load_model(path, torch.float32, torch.device("cpu"))
-    samples: list[Sample] = [None] * len(seqs)   # type: ignore[list-item]
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]) + len(seqs[i][1]))
-    batch = 8
-    aux_ids = eagle3_aux_layers(model.config.num_hidden_layers)
+    num_layers = len(llm.llm_engine.engine_core.worker.model_runner.model.model.layers)
+    aux_ids = eagle3_aux_layers(num_layers)
     want_aux = len(set(aux_ids)) == 3 and min(aux_ids) >= 0   # else the target can't serve EAGLE-3
-    for start in tqdm(range(0, len(order), batch), desc="target hidden states", dynamic_ncols=True):
-        idx = order[start:start + batch]
-        ids = [torch.tensor(seqs[i][0] + seqs[i][1]) for i in idx]
-        padded = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True)
-        hidden, aux = target_hidden_states(model, padded, want_aux)
-        if aux is None:
-            aux = hidden[..., :0]
-        for row, i in enumerate(idx):
-            n = len(ids[row])
-            samples[i] = Sample(ids[row], len(seqs[i][0]), hidden[row, :n].half().clone(),
-                                aux[row, :n].half().clone())
+    recorder = StateRecorder(llm, aux_ids if want_aux else ())
+    # One token more than the answer length: the last sampled token is never fed, so the answer
+    # keeps max_tokens tokens that all have states.
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
+                        SamplingParams(temperature=0.0, max_tokens=max_tokens + 1), use_tqdm=True)
+    recorder.close()
+    samples = []
+    for p, o in zip(prompt_ids, outs):
+        ids = p + list(o.outputs[0].token_ids)[:-1]     # every token here was fed to the target
+        n = len(ids)
+        samples.append(Sample(torch.tensor(ids), len(p), recorder.hidden[o.request_id][:n].clone(),
+                              recorder.aux[o.request_id][:n].clone()))
+    del llm, recorder
     held = [s for i, s in enumerate(samples) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
     train = [s for i, s in enumerate(samples) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
-    info = dict(num_prompts=len(prompts), max_tokens=max_tokens,
-                answer_tokens=sum(len(a) for _, a in seqs),
-                total_tokens=sum(len(p) + len(a) for p, a in seqs),
-                generate_s=round(t_gen, 1), data_s=round(time.perf_counter() - t0, 1))
+    answers = [len(s.token_ids) - s.prompt_len for s in samples]
+    info = dict(num_prompts=len(prompts), max_tokens=max_tokens, answer_tokens=sum(answers),
+                total_tokens=sum(len(s.token_ids) for s in samples),
+                data_s=round(time.perf_counter() - t0, 1))
     return DistillData(train, held, info)

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from minivllm.train.data import Sample
@@ -69,8 +70,10 @@ class Trainer:
     the reduced vocabulary ``vocab_ids`` ``[V']`` (sorted target ids) and its inverse ``t2d``."""
 
     def __init__(self, method: str, head, embed: torch.Tensor, lm_head: torch.Tensor,
-                 vocab_ids: torch.Tensor, k: int, noise: float, generator: torch.Generator) -> None:
+                 vocab_ids: torch.Tensor, k: int, noise: float, generator: torch.Generator,
+                 soft_labels: bool = True) -> None:
         self.method, self.head, self.k, self.noise, self.gen = method, head, k, noise, generator
+        self.soft_labels = soft_labels
         self.embed, self.lm_head, self.vocab_ids = embed, lm_head, vocab_ids
         self.t2d = target_to_draft(vocab_ids, embed.shape[0])
         self.lm_head_reduced = lm_head[vocab_ids]    # [V', H]
@@ -110,7 +113,10 @@ class Trainer:
             mask = b.window(-2 - i, 2 + i) & (label != IGNORE_INDEX)
             target_feat = shift_left(b.hidden, 1 + i)[mask]
             logits.append(self.head.lm_head(normed[mask]))
-            probs.append((target_feat @ self.lm_head_reduced.T).softmax(-1))
+            if self.soft_labels:
+                probs.append((target_feat @ self.lm_head_reduced.T).softmax(-1))
+            else:   # the greedy token itself: what acceptance at temperature 0 checks
+                probs.append(F.one_hot(label[mask], len(self.vocab_ids)).float())
             masks.append(torch.ones(int(mask.sum())))
         total, per_step = eagle3_loss(logits, probs, masks)
         return total, {f"ce{i}": v for i, v in enumerate(per_step)}

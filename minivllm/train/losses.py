@@ -7,7 +7,10 @@
   draft's output and the target's next feature, plus ``0.1`` x soft cross-entropy between the
   target's distribution and the draft's (both through the target's lm_head).
 - EAGLE-3 (Li et al. 2025): training-time test, the draft unrolled over its own steps; only a token
-  loss, soft cross-entropy against the target's distribution, step i weighted ``0.8 ** i``.
+  loss, soft cross-entropy against the target's distribution, step i weighted ``0.8 ** i``. The
+  trainer can also give it one-hot targets, the greedy token (``TrainConfig.labels="hard"``, the
+  default): acceptance at temperature 0 checks only the argmax, and a 135M model's next-token
+  distributions are flat enough that matching their tails costs the head capacity it lacks.
 
 Every loss is a mean over the positions where ``mask`` is True (per head / step, then weighted sum).
 """

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from minivllm.train import METHODS, TrainConfig, train
+from minivllm.train import DEFAULTS, METHODS, TrainConfig, train
 
 
 def main(argv=None) -> None:
@@ -48,9 +48,9 @@ def _data_only(a) -> None:
     from minivllm.train.data import load_or_build
     if a.threads:
         torch.set_num_threads(a.threads)
-    cfg = TrainConfig(method="medusa", model=a.model, quick=a.quick, num_prompts=a.num_prompts,
-                      max_tokens=a.max_tokens)   # only for the data defaults
-    data = load_or_build(cfg.model, cfg.num_prompts, cfg.max_tokens, use_cache=True)
+    q = int(a.quick)
+    data = load_or_build(a.model, a.num_prompts or DEFAULTS["num_prompts"][q],
+                         a.max_tokens or DEFAULTS["max_tokens"][q], use_cache=True)
     print(json.dumps(dict(data.info, train_prompts=len(data.train),
                           held_out_prompts=len(data.held_out)), indent=1))
 

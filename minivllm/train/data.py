@@ -23,7 +23,6 @@ from importlib import resources
 import torch
 
 from minivllm.model_executor.model_loader import cache_dir, resolve_model_path
-from minivllm.train.dense import eagle3_aux_layers
 
 DATA_VERSION = 2
 HELD_OUT_EVERY = 10
@@ -118,21 +117,23 @@ class StateRecorder:
 
     A forward hook on the model minivllm serves (``model_runner.model``): each forward's rows are
     split by the attention metadata's ``query_start_loc`` into the persistent batch's requests
-    (row order = ``input_batch.req_ids``) and written at their ``positions``. With ``aux_layers``
+    (row order = ``input_batch.req_ids``) and written at their ``positions``. With ``want_aux``
     the model also returns EAGLE-3's residual streams (vLLM's ``use_aux_hidden_state_outputs``), so
     one ``LLM.generate`` yields the answers and every state training needs: no second pass. The last
     sampled token of a request is never fed, so its state does not exist (the sample stops before).
     """
 
-    def __init__(self, llm, aux_layers: tuple[int, ...]) -> None:
+    def __init__(self, llm, want_aux: bool) -> None:
         self.runner = llm.llm_engine.engine_core.worker.model_runner
-        self.aux_layers = aux_layers
-        if aux_layers:
-            self.runner.model.set_aux_hidden_state_layers(aux_layers)
+        model = self.runner.model
+        layers = model.get_eagle3_aux_hidden_state_layers() if want_aux else ()
+        # A target too shallow for 3 distinct taps (2, L//2, L-3) cannot serve EAGLE-3: no aux.
+        if len(set(layers)) == 3 and min(layers) >= 0:
+            model.set_aux_hidden_state_layers(layers)
             self.runner.use_aux_hidden_state_outputs = True
         self.hidden: dict[str, torch.Tensor] = {}    # req_id -> [prompt + max_tokens, H] float16
         self.aux: dict[str, torch.Tensor] = {}       # req_id -> [prompt + max_tokens, 3H] float16
-        self._handle = self.runner.model.register_forward_hook(self._hook)
+        self._handle = model.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output) -> None:
         from minivllm.forward_context import get_forward_context
@@ -177,10 +178,7 @@ def _build(path: str, prompts: list, max_tokens: int, has_tokenizer: bool) -> Di
     llm = LLM(model=path, seed=0, dtype="float32", skip_tokenizer_init=not has_tokenizer,
               enable_prefix_caching=False, max_num_seqs=min(256, len(prompt_ids)),
               kv_cache_memory_bytes=3 << 30)
-    num_layers = len(llm.llm_engine.engine_core.worker.model_runner.model.model.layers)
-    aux_ids = eagle3_aux_layers(num_layers)
-    want_aux = len(set(aux_ids)) == 3 and min(aux_ids) >= 0   # else the target can't serve EAGLE-3
-    recorder = StateRecorder(llm, aux_ids if want_aux else ())
+    recorder = StateRecorder(llm, want_aux=True)
     # One token more than the answer length: the last sampled token is never fed, so the answer
     # keeps max_tokens tokens that all have states.
     outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],

@@ -111,9 +111,9 @@ class Trainer:
             normed, hid = self.head.step(emb, hid, b.positions + i, cache)
             label = self.t2d[shift_left(b.ids, 2 + i)]
             mask = b.window(-2 - i, 2 + i) & (label != IGNORE_INDEX)
-            target_feat = shift_left(b.hidden, 1 + i)[mask]
             logits.append(self.head.lm_head(normed[mask]))
-            if self.soft_labels:
+            if self.soft_labels:   # the target's next-token distribution, from its next feature
+                target_feat = shift_left(b.hidden, 1 + i)[mask]
                 probs.append((target_feat @ self.lm_head_reduced.T).softmax(-1))
             else:   # the greedy token itself: what acceptance at temperature 0 checks
                 probs.append(F.one_hot(label[mask], len(self.vocab_ids)).float())

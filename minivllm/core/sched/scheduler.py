@@ -10,7 +10,8 @@ Article steps that live here:
 - P/D "cache lookup", "state update" and "build metadata object": the KV connector's
   ``get_num_new_matched_tokens``, ``update_state_after_alloc`` and ``build_connector_meta``;
   an asynchronous load parks its request in ``WAITING_FOR_REMOTE_KVS`` (blocks allocated) until the
-  worker reports it in ``finished_recving`` (``_update_waiting_for_remote_kv``).
+  worker reports it in ``finished_recving`` (``_update_waiting_for_remote_kv``, with the other
+  KV-transfer bookkeeping in ``kv_transfer.py``).
 """
 from __future__ import annotations
 
@@ -21,13 +22,14 @@ from minivllm import trace
 from minivllm.config import VllmConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.kv_cache_utils import get_request_block_hasher
+from minivllm.core.sched.kv_transfer import KVTransferMixin
 from minivllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from minivllm.core.sched.utils import check_stop, record_schedule
 from minivllm.request import Request, RequestStatus
 from minivllm.spec_decode.metrics import SpecDecodingStats
 
 
-class Scheduler:
+class Scheduler(KVTransferMixin):
     def __init__(self, vllm_config: VllmConfig, num_gpu_blocks: int,
                  detokenize: Optional[Callable[[list[int]], str]] = None) -> None:
         self.vllm_config = vllm_config
@@ -325,65 +327,6 @@ class Scheduler:
         if stopped:
             self.running = [r for r in self.running if r.request_id not in stopped]
         return outputs
-
-    def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:
-        """External KV that failed to load after it was counted as computed (vLLM's
-        ``_handle_invalid_blocks``): cut each affected request back to its first invalid block so
-        the next step recomputes from there; its output this step was computed on bad KV."""
-        affected = set()
-        for req_id, target in list(self.waiting_for_remote_kvs.items()):   # async loads
-            block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
-            bad = [i for i, b in enumerate(block_ids[:-(-target // self.block_size)])
-                   if b in invalid_block_ids]
-            if bad:
-                self.waiting_for_remote_kvs[req_id] = min(target, bad[0] * self.block_size)
-        for request in self.running:
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]
-            num_blocks = -(-request.num_computed_tokens // self.block_size)
-            bad = [i for i, b in enumerate(block_ids[:num_blocks]) if b in invalid_block_ids]
-            if not bad:
-                continue
-            valid = bad[0] * self.block_size
-            lost = request.num_computed_tokens - valid
-            request.num_computed_tokens = valid
-            request.num_cached_tokens = min(request.num_cached_tokens, valid)
-            request.num_external_computed_tokens = max(
-                0, request.num_external_computed_tokens - lost)
-            affected.add(request.request_id)
-        return affected
-
-    def _update_from_kv_xfer_finished(self, kv_out: Any) -> None:
-        """The worker's async transfers that completed: loads wake their request up in the next
-        ``schedule()``; a request finished meanwhile (aborted) frees its blocks only now."""
-        self.connector.update_connector_output(kv_out)
-        for req_id in (kv_out.finished_recving or ()):
-            request = self.requests.get(req_id)
-            if request is None:
-                continue
-            if request.is_finished():
-                self.kv_cache_manager.free(request)
-                del self.requests[req_id]
-            else:
-                self.finished_recving_kv_req_ids.add(req_id)
-
-    def _update_waiting_for_remote_kv(self, request: Request) -> bool:
-        """vLLM's ``_update_waiting_for_remote_kv``: once the load is reported, the request's loaded
-        tokens count as computed (only those before a failed block) and its full blocks enter the
-        prefix cache. Returns whether the request can be scheduled now."""
-        req_id = request.request_id
-        if req_id not in self.finished_recving_kv_req_ids:
-            return False
-        self.finished_recving_kv_req_ids.remove(req_id)
-        num_computed_tokens = min(self.waiting_for_remote_kvs.pop(req_id), request.num_tokens - 1)
-        if num_computed_tokens == 0:   # the first block already failed: start over, lookup included
-            self.kv_cache_manager.free(request)
-        elif self.kv_cache_manager.enable_caching:
-            self.kv_cache_manager.cache_blocks(request, num_computed_tokens)
-        request.num_computed_tokens = num_computed_tokens
-        request.num_external_computed_tokens = min(request.num_external_computed_tokens,
-                                                   num_computed_tokens)
-        trace.record("remote_kv_ready", req_id=req_id, num_computed_tokens=num_computed_tokens)
-        return True
 
     def _update_request_with_output(self, request: Request,
                                     new_token_ids: list[int]) -> tuple[list[int], bool]:

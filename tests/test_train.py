@@ -95,6 +95,19 @@ def test_index_helpers():
     assert t2d.tolist() == [IGNORE_INDEX, IGNORE_INDEX, 0, IGNORE_INDEX, IGNORE_INDEX, 1, IGNORE_INDEX]
 
 
+def test_training_prompts_are_unique_keep_their_order_and_exclude_the_bench_prompts():
+    from minivllm.bench.spec import GROUNDED, OPEN
+    from minivllm.train.data import instructions
+    every = instructions()
+    assert len(set(every)) == len(every) > 2000
+    # A longer run trains on a superset: the first N prompts never change with N.
+    assert instructions(400) == every[:400] and instructions(1600)[:400] == every[:400]
+    # The benchmark measures acceptance on prompts no head was trained on.
+    assert not set(OPEN + GROUNDED) & set(every)
+    with pytest.raises(ValueError, match="num_prompts"):
+        instructions(len(every) + 1)
+
+
 def test_bad_config_is_a_value_error_naming_the_field():
     with pytest.raises(ValueError, match="method"):
         TrainConfig(method="lookahead")

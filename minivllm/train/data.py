@@ -55,13 +55,21 @@ class DistillData:
         return counts
 
 
-def instructions(num_prompts: int) -> list[str]:
-    """The first ``num_prompts`` of: hand-written instructions, then templates x topics (shuffled
-    with a fixed seed so that any prefix mixes kinds)."""
+def instructions(num_prompts: int | None = None) -> list[str]:
+    """The first ``num_prompts`` (default all) of: hand-written instructions, then templates x
+    topics, then a second set of templates x topics (each set shuffled with a fixed seed so that any
+    prefix mixes kinds)."""
     spec = json.loads(resources.files("minivllm.train").joinpath("prompts.json").read_text())
     templated = [t.format(t=topic) for topic in spec["topics"] for t in spec["templates"]]
     random.Random(0).shuffle(templated)
-    texts = spec["instructions"] + templated
+    # The second set comes after the first: the first 400 (the 20-minute recipe's) stay put.
+    more = ([t.format(t=topic) for topic in spec["more_topics"]
+             for t in spec["templates"] + spec["more_templates"]]
+            + [t.format(t=topic) for topic in spec["topics"] for t in spec["more_templates"]])
+    random.Random(1).shuffle(more)
+    texts = spec["instructions"] + templated + more
+    if num_prompts is None:
+        return texts
     if not 1 <= num_prompts <= len(texts):
         raise ValueError(f"num_prompts must be in [1, {len(texts)}], got {num_prompts}.")
     return texts[:num_prompts]

@@ -9,7 +9,7 @@ from ``max(p_target - p_draft, 0)``; a bonus position has no draft.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from minivllm.trace import StepRecord
 from minivllm.viz.records import StepsLike, schedule_of, spec_verify_of, steps_of

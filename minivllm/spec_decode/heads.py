@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from minivllm.config import SpeculativeConfig
+from minivllm.model_executor.models.llama import default_eagle3_aux_layers, valid_eagle3_aux_layers
 
 HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
 DEFAULT_MODEL_HEADS = "smollm2-135m-instruct"
@@ -84,8 +85,8 @@ def _llama_config(config: dict[str, Any]) -> Any:
 def aux_layer_ids(config: dict[str, Any], target_hf_config: Any, path: str) -> tuple[int, ...]:
     """EAGLE-3's taps: the head's ``eagle_aux_hidden_state_layer_ids`` or vLLM's (2, L//2, L-3)."""
     n = target_hf_config.num_hidden_layers
-    ids = tuple(config.get("eagle_aux_hidden_state_layer_ids") or (2, n // 2, n - 3))
-    if len(set(ids)) != 3 or not all(0 <= i < n for i in ids):
+    ids = tuple(config.get("eagle_aux_hidden_state_layer_ids") or default_eagle3_aux_layers(n))
+    if not valid_eagle3_aux_layers(ids, n):
         raise ValueError(f"speculative_config.model={path!r}: EAGLE-3 needs 3 distinct target "
                          f"layers in [0, {n}) (eagle_aux_hidden_state_layer_ids or the default "
                          f"(2, L//2, L-3) for num_hidden_layers={n}), got {ids}.")

@@ -23,6 +23,7 @@ from importlib import resources
 import torch
 
 from minivllm.model_executor.model_loader import cache_dir, resolve_model_path
+from minivllm.model_executor.models.llama import valid_eagle3_aux_layers
 
 DATA_VERSION = 2
 HELD_OUT_EVERY = 10
@@ -136,7 +137,7 @@ class StateRecorder:
         model = self.runner.model
         layers = model.get_eagle3_aux_hidden_state_layers() if want_aux else ()
         # A target too shallow for 3 distinct taps (2, L//2, L-3) cannot serve EAGLE-3: no aux.
-        if len(set(layers)) == 3 and min(layers) >= 0:
+        if valid_eagle3_aux_layers(layers, model.config.num_hidden_layers):
             model.set_aux_hidden_state_layers(layers)
             self.runner.use_aux_hidden_state_outputs = True
         self.hidden: dict[str, torch.Tensor] = {}    # req_id -> [prompt + max_tokens, H] float16

@@ -10,7 +10,7 @@ What comes back mirrors vLLM:
 - ``hidden``: the final-normed last hidden state, what ``LlamaModel.forward`` returns and what
   EAGLE-1 and Medusa draft from (``[B, T, H]``);
 - ``aux``: EAGLE-3's auxiliary states, the un-normalised residual stream *entering* layers
-  ``eagle3_aux_layers(L)`` = (2, L//2, L-3), concatenated (``[B, T, 3H]``), as vLLM's
+  ``default_eagle3_aux_layers(L)`` = (2, L//2, L-3), concatenated (``[B, T, 3H]``), as vLLM's
   ``LlamaModel.forward`` records ``hidden_states + residual`` before running those layers.
 """
 from __future__ import annotations
@@ -18,12 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minivllm.model_executor.models.llama import LlamaForCausalLM
-
-
-def eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """vLLM's ``LlamaForCausalLM.get_eagle3_aux_hidden_state_layers``: (2, L//2, L-3)."""
-    return (2, num_layers // 2, num_layers - 3)
+from minivllm.model_executor.models.llama import (LlamaForCausalLM, default_eagle3_aux_layers,
+                                                   valid_eagle3_aux_layers)
 
 
 def dense_attention(attn_module, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -54,8 +50,8 @@ def target_hidden_states(model: LlamaForCausalLM, input_ids: torch.Tensor,
     b, t = input_ids.shape
     positions = torch.arange(t).expand(b, t)
     inner = model.model
-    aux_ids = eagle3_aux_layers(len(inner.layers)) if want_aux else ()
-    if len(set(aux_ids)) != len(aux_ids) or any(not 0 <= i < len(inner.layers) for i in aux_ids):
+    aux_ids = default_eagle3_aux_layers(len(inner.layers)) if want_aux else ()
+    if want_aux and not valid_eagle3_aux_layers(aux_ids, len(inner.layers)):
         raise ValueError(f"EAGLE-3 needs 3 distinct target layers (2, L//2, L-3), got {aux_ids} "
                          f"for num_hidden_layers={len(inner.layers)}: use a deeper target.")
     hidden = inner.embed_tokens(input_ids)

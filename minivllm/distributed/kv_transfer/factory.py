@@ -70,9 +70,11 @@ def validate_kv_transfer_config(cfg: "KVTransferConfig | dict[str, Any] | None")
     return cfg
 
 
-KVConnectorFactory.register_connector(
-    "SharedStorageConnector",
-    "minivllm.distributed.kv_transfer.shared_storage_connector", "SharedStorageConnector")
+# The article's name ("SharedStorageConnector") and vLLM 0.32's ("ExampleConnector", factory.py
+# there registers only this one) load the same class.
+for _name in ("SharedStorageConnector", "ExampleConnector"):
+    KVConnectorFactory.register_connector(
+        _name, "minivllm.distributed.kv_transfer.shared_storage_connector", "SharedStorageConnector")
 KVConnectorFactory.register_connector(
     "RedisStoreConnector",
     "minivllm.distributed.kv_transfer.redis_store_connector", "RedisStoreConnector")

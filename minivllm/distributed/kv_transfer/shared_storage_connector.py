@@ -1,5 +1,9 @@
-"""The article's debugging connector, mirroring
-vllm/distributed/kv_transfer/kv_connector/v1/shared_storage_connector.py.
+"""The article's debugging connector ``SharedStorageConnector``; vLLM 0.32 calls it
+``ExampleConnector`` (vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py, classes
+``ExampleConnector`` and ``ExampleConnectorMetadata``; the article's file
+``.../v1/shared_storage_connector.py`` and its name no longer exist there). minivllm registers both
+names for one class: ``kv_connector="SharedStorageConnector"`` (the article's) and
+``kv_connector="ExampleConnector"`` (vLLM today) behave the same and share stored folders.
 
 "External server" = a local folder (format: ``storage.py``). Prefill (P) stores each prompt's KV,
 decode (D) loads it, synchronously, whole blocks only; the last prompt token is always recomputed
@@ -258,3 +262,8 @@ class SharedStorageConnector(SharedStorageWorkerMixin, KVConnectorBase_V1):
             return True
         except storage.KVStorageError:
             return False
+
+
+# vLLM 0.32's names for the same classes (example_connector.py).
+ExampleConnector = SharedStorageConnector
+ExampleConnectorMetadata = SharedStorageConnectorMetadata

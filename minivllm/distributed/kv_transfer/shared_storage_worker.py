@@ -1,10 +1,14 @@
-"""The worker half of ``SharedStorageConnector`` (vLLM keeps both halves in
-vllm/distributed/kv_transfer/kv_connector/v1/shared_storage_connector.py; split here only so that
-each file reads in one sitting). State lives in ``SharedStorageConnector.__init__``.
+"""The worker half of ``SharedStorageConnector`` (``ExampleConnector`` in vLLM 0.32, which keeps
+both halves in vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py; the article's
+``.../v1/shared_storage_connector.py`` is gone; split here only so that each file reads in one
+sitting). State lives in ``SharedStorageConnector.__init__``.
 
 Paged cache per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, viewed as
 ``[2, num_blocks * block_size, num_kv_heads * head_dim]`` so a ``ReqMeta.slot_mapping`` ``[n]``
 indexes token rows directly; the files hold the same rows ``[2, n, num_kv_heads * head_dim]``.
+vLLM 0.32's ExampleConnector stores ``[n, num_kv_heads, K||V]`` instead (its per-layer cache is
+``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, vllm/v1/kv_cache_interface.py): same
+folders and file names, a different tensor inside.
 """
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
-"""The on-disk format of ``SharedStorageConnector`` (vLLM keeps it inside
-vllm/distributed/kv_transfer/kv_connector/v1/shared_storage_connector.py; split out here to keep
+"""The on-disk format of ``SharedStorageConnector`` (``ExampleConnector`` in vLLM 0.32, which keeps
+it inside vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py; split out here to keep
 both files short, and hardened: checked metadata, checksums, atomic folders).
 
 One folder per stored prompt prefix of ``n`` tokens (``n`` a multiple of the block size)::
 
     {shared_storage_path}/{md5(token_ids[:n] as little-endian int64)}/
-        {layer_name}.safetensors   one key "kv_cache": [2, n, num_kv_heads * head_dim] (0 = K, 1 = V)
+        {layer_name}.safetensors   one key "kv_cache": [2, n, num_kv_heads * head_dim] (0 = K, 1 = V;
+                                   vLLM 0.32 stores [n, num_kv_heads, K||V] under the same key)
         meta.json                  model fingerprint, token ids, dtype, KV shape, per-file size + CRC32
 
 The layout does not depend on the block size: any instance whose block size divides ``n`` can

@@ -58,6 +58,9 @@ class Request:
         self.prompt = prompt
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
+        if eos_token_id is not None:
+            # The worker sees only the SamplingParams; min_tokens masks EOS there.
+            sampling_params._eos_token_id = eos_token_id
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None

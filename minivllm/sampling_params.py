@@ -28,6 +28,8 @@ class SamplingParams:
     extra_args: Optional[dict] = None
     # Filled in by the engine from the tokenizer / model config; not user-facing.
     _all_stop_token_ids: set = field(default_factory=set, repr=False)
+    # The model's EOS id (set by Request); min_tokens masks it too, as vLLM does.
+    _eos_token_id: Optional[int] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +56,13 @@ class SamplingParams:
             # Greedy: top-p / top-k are irrelevant; normalise them like vLLM does.
             self.top_p, self.top_k = 1.0, 0
         self._all_stop_token_ids = set(self.stop_token_ids)
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """What ``min_tokens`` masks (vLLM's ``SamplingParams.all_stop_token_ids``): the stop token
+        ids, the extra EOS ids and the EOS id (masked even with ``ignore_eos``, as in vLLM)."""
+        eos = set() if self._eos_token_id is None else {self._eos_token_id}
+        return self._all_stop_token_ids | eos
 
     @property
     def sampling_type_greedy(self) -> bool:

@@ -7,6 +7,8 @@ One row per request in the batch (``[batch]``), in the order of the logits rows 
 - ``generators``: row index -> ``torch.Generator`` for requests with a ``seed``. vLLM's input batch creates
   one generator per request when the request arrives and keeps it, so each step continues the same
   random stream; that is what makes a seeded request reproducible whatever else is in the batch.
+- ``min_tokens``: row index -> ``(min_tokens, num_output_tokens, stop_ids)`` for rows whose stop ids
+  are still masked (``logits_processor.apply_min_tokens``; vLLM's ``MinTokensLogitsProcessor``).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class SamplingMetadata:
     top_p: Optional[torch.Tensor]
     top_k: Optional[torch.Tensor]
     generators: dict[int, torch.Generator] = field(default_factory=dict)
+    min_tokens: dict[int, tuple[int, int, list[int]]] = field(default_factory=dict)
 
     @classmethod
     def from_params(
@@ -33,12 +36,15 @@ class SamplingMetadata:
         params: Sequence[SamplingParams],
         generators: Optional[dict[int, torch.Generator]] = None,
         device: Union[str, torch.device] = "cpu",
+        num_output_tokens: Optional[Sequence[int]] = None,
     ) -> "SamplingMetadata":
         """Tensors for one batch, row i from ``params[i]``.
 
         ``generators`` should be the runner's persistent per-request generators (keyed by row index).
         When ``None``, fresh generators are built from each random row's ``seed``: right for a single
         call (tests, notebooks), wrong across engine steps, where every step would replay the same draws.
+        ``num_output_tokens[i]``: request i's output tokens before this step (default 0), for
+        ``min_tokens``.
         """
         greedy = [p.sampling_type_greedy for p in params]
         all_greedy = all(greedy)
@@ -61,5 +67,10 @@ class SamplingMetadata:
         top_k = None
         if any(p.top_k > 0 for p in params):
             top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+        min_tokens = {}
+        for i, p in enumerate(params):
+            done = num_output_tokens[i] if num_output_tokens is not None else 0
+            if done < p.min_tokens and p.all_stop_token_ids:
+                min_tokens[i] = (p.min_tokens, done, sorted(p.all_stop_token_ids))
         return cls(temperature=temperature, all_greedy=all_greedy, all_random=all_random,
-                   top_p=top_p, top_k=top_k, generators=generators)
+                   top_p=top_p, top_k=top_k, generators=generators, min_tokens=min_tokens)

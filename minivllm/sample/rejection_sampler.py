@@ -26,6 +26,7 @@ from torch import nn
 
 from minivllm import trace
 from minivllm.sample import rejection_kernels as K
+from minivllm.sample.logits_processor import apply_min_tokens
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.sampler import apply_temperature, apply_top_k_top_p, exponential_noise
 from minivllm.spec_decode.metadata import SpecDecodeMetadata
@@ -209,11 +210,13 @@ class RejectionSampler(nn.Module):
         _check_inputs(metadata, draft_probs, target_logits, bonus_token_ids, sampling_metadata)
         if draft_probs is not None:
             draft_probs = draft_probs.float()
-        logits = apply_sampling_constraints(target_logits.float(), metadata, sampling_metadata,
-                                            self.backend)
+        # min_tokens first, on each draft's own output position (vLLM: apply_logits_processors ->
+        # MinTokensLogitsProcessor.apply_with_spec_decode), so a masked stop token is never accepted.
+        logits = apply_min_tokens(target_logits.float(), sampling_metadata, metadata.num_draft_tokens)
+        logits = apply_sampling_constraints(logits, metadata, sampling_metadata, self.backend)
         target_probs = logits.softmax(dim=-1, dtype=torch.float32)
-        # vLLM takes the argmax of target_probs; the logits' argmax is the same token except where the
-        # softmax rounds two near-equal logits to one probability, and it is what the Sampler uses.
+        # vLLM 0.32 takes the argmax of the logits too (rejection_sampler.py, target_logits.argmax),
+        # the same token the Sampler picks; the probs' argmax could differ where softmax rounds.
         target_argmax = logits.argmax(dim=-1)
         output, uniform_probs = rejection_sample(
             metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from minivllm.sample.logits_processor import apply_min_tokens
 from minivllm.sample.metadata import SamplingMetadata
 
 _SAMPLING_EPS = 1e-5
@@ -88,10 +89,15 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
 
 
 class Sampler(nn.Module):
-    """``forward(logits [num_reqs, vocab], sampling_metadata) -> [num_reqs]`` int64 sampled ids."""
+    """``forward(logits [num_reqs, vocab], sampling_metadata) -> [num_reqs]`` int64 sampled ids.
 
-    def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
-        logits = logits.float()
+    ``num_draft_tokens`` (bonus rows after verification): request i's row predicts output position
+    ``num_output_tokens + num_draft_tokens[i]``, which is what ``min_tokens`` masks by."""
+
+    def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata,
+                num_draft_tokens: Optional[list[int]] = None) -> torch.Tensor:
+        logits = apply_min_tokens(logits.float(), sampling_metadata, num_draft_tokens,
+                                  bonus=num_draft_tokens is not None)
         greedy = None if sampling_metadata.all_random else logits.argmax(dim=-1)
         if sampling_metadata.all_greedy:
             return greedy

@@ -240,13 +240,16 @@ class ModelRunner:
         partial = seq_lens < batch.num_tokens[:n]
         generators = {i: g for i, g in batch.generators.items() if not partial[i]}
         params = [batch.sampling_params[r] for r in batch.req_ids]
-        sampling_metadata = SamplingMetadata.from_params(params, generators, self.device)
+        sampling_metadata = SamplingMetadata.from_params(
+            params, generators, self.device,
+            num_output_tokens=[len(self.requests[r].output_token_ids) for r in batch.req_ids])
         if spec_md is None:
             sampled = self.sampler(logits, sampling_metadata).tolist()
             sampled_token_ids = [[] if partial[i] else [t] for i, t in enumerate(sampled)]
         else:
             # Article step 7: the rejection sampler instead of regular sampling.
-            bonus = self.sampler(logits[spec_md.bonus_logits_indices], sampling_metadata)
+            bonus = self.sampler(logits[spec_md.bonus_logits_indices], sampling_metadata,
+                                 num_draft_tokens=spec_md.num_draft_tokens)
             out = self.rejection_sampler(spec_md, None, logits[spec_md.target_logits_indices],
                                          bonus.view(-1, 1).to(torch.int32), sampling_metadata)
             sampled_token_ids = RejectionSampler.parse_output(

@@ -9,10 +9,10 @@ from minivllm.request import Request, RequestStatus
 
 def check_stop(request: Request, max_model_len: int,
                detokenize: Optional[Callable[[list[int]], str]] = None) -> bool:
-    """After one appended token: EOS, stop token ids, stop strings, then length. Sets status."""
+    """After one appended token: EOS, stop token ids, length, then (from ``min_tokens`` on) stop
+    strings; vLLM 0.32's order. EOS and stop ids cannot appear before ``min_tokens``: the sampler
+    masks them (sample/logits_processor.py). Sets status."""
     params = request.sampling_params
-    if request.num_output_tokens < params.min_tokens:
-        return False
     last = request.output_token_ids[-1]
     if not params.ignore_eos and last == request.eos_token_id:
         request.status = RequestStatus.FINISHED_STOPPED
@@ -21,6 +21,11 @@ def check_stop(request: Request, max_model_len: int,
         request.status = RequestStatus.FINISHED_STOPPED
         request.stop_reason = last
         return True
+    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    if request.num_output_tokens < params.min_tokens:
+        return False
     if params.stop and detokenize is not None:
         # vLLM checks stop strings in the front-end detokenizer; doing it here, token by token, lets an
         # accepted run of drafts end exactly where plain decoding would.
@@ -30,9 +35,6 @@ def check_stop(request: Request, max_model_len: int,
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = s
                 return True
-    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
-        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        return True
     return False
 
 

@@ -118,8 +118,9 @@ class SpeculativeConfig:
 
     @property
     def needs_lookahead_slots(self) -> bool:
-        # EAGLE (and minivllm's draft model) writes KV for its own drafts, so their slots must exist
-        # when it proposes. n-gram and Medusa write no KV and reserve none, as in vLLM.
+        # EAGLE, EAGLE-3 and the draft model write KV for their own drafts, so their slots must
+        # exist when they propose: vLLM 0.32 gives all three k lookahead tokens (config/vllm.py,
+        # num_lookahead_tokens). n-gram and Medusa write no KV and reserve none, as in vLLM.
         return self.method == "draft_model" or self.use_eagle()
 
     @classmethod

@@ -11,8 +11,9 @@ KV cache. The draft model keeps its own paged cache (one ``[2, num_blocks, block
 head_dim]`` tensor per draft layer) addressed through the *same* block tables as the target: a
 request's position ``p`` lives in the same slot in both caches. The scheduler reserves
 ``num_lookahead_tokens = k`` extra slots (``SpeculativeConfig.needs_lookahead_slots``) so the draft
-can write the KV of its own drafts; where a row has fewer slots (under P/D a fresh request gets no
-lookahead, vLLM's rule), it drafts fewer tokens. Nothing is written outside the row's blocks.
+can write the KV of its own drafts (vLLM 0.32 reserves them for the draft model too, and withholds
+them only while an asynchronous KV load is pending); where a row has fewer slots (near
+``max_model_len``), it drafts fewer tokens. Nothing is written outside the row's blocks.
 
 One ``propose_for_batch`` call, per engine step, after the target sampled:
 1. catch-up, one multi-token pass over every row: feed the positions whose draft KV is not valid yet,

@@ -51,8 +51,9 @@ class Scheduler(KVTransferMixin):
 
         spec = vllm_config.speculative_config
         self.num_spec_tokens = spec.num_speculative_tokens if spec else 0
-        # vLLM reserves lookahead slots for EAGLE-style drafters only; minivllm's draft model writes KV
-        # for its drafts too, so it needs them as well. n-gram and Medusa write no KV, reserve none.
+        # Drafters that write KV for their own drafts (EAGLE, EAGLE-3, the draft model) need k
+        # lookahead slots, as vLLM 0.32's num_lookahead_tokens (config/vllm.py) gives them; n-gram
+        # and Medusa write no KV and reserve none.
         self.num_lookahead_tokens = self.num_spec_tokens if spec and spec.needs_lookahead_slots else 0
         self.spec_decoding_stats = SpecDecodingStats(self.num_spec_tokens) if spec else None
 
@@ -185,11 +186,10 @@ class Scheduler(KVTransferMixin):
                         break
                     num_new_tokens = min(num_new_tokens, token_budget)
 
-                # vLLM reserves no lookahead for a fresh request, to keep P and D block counts
-                # equal under P/D; minivllm's draft model proposes right after the prefill, so it
-                # gets its lookahead slots now unless a KV connector is in play.
-                effective_lookahead_tokens = (0 if self.connector is not None
-                                              else self.num_lookahead_tokens)
+                # As vLLM 0.32 (scheduler.py): no lookahead only while an asynchronous load is
+                # pending (nothing is computed yet, so nothing drafts); a sync load or a plain
+                # prefill drafts right after this step and gets its k slots now.
+                effective_lookahead_tokens = 0 if load_kv_async else self.num_lookahead_tokens
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request, num_new_tokens + num_external_computed_tokens,
                     num_new_local_computed_tokens, new_computed_blocks,
@@ -197,9 +197,11 @@ class Scheduler(KVTransferMixin):
                 if new_blocks is None:
                     break   # stays at the head of `waiting`
                 if self.connector is not None:
+                    # All of the request's blocks, lookahead included, on every call (also the one
+                    # after an async load), as vLLM 0.32 passes kv_cache_manager.get_blocks().
                     self.connector.update_state_after_alloc(
-                        request, new_computed_blocks + new_blocks if new_computed_blocks is not None
-                        else new_blocks, num_external_computed_tokens)
+                        request, self.kv_cache_manager.get_blocks(request.request_id),
+                        num_external_computed_tokens)
                 if load_kv_async:
                     # The worker fetches in the background; other requests keep running.
                     skipped_waiting.append(self.waiting.popleft())

@@ -173,7 +173,8 @@ class DraftModelProposer(DraftKVCacheMixin):
             self.states[batch.req_ids[row]].record(starts[i], fed)
         drafting = [i for i, n in enumerate(num_drafts) if n > 0]
         last_idx = np.cumsum(lens)[drafting] - 1
-        tokens = self._forward(batch, rows_a, lens, ends_a, req_idx, positions, input_ids, last_idx)
+        tokens = self._forward(batch, rows_a, lens, ends_a, req_idx, positions, input_ids, last_idx,
+                               connector=getattr(self, "kv_connector", None))
 
         # 2. k - 1 single-token passes, each feeding the previous draft.
         drafts: dict[int, list[int]] = {i: [t] for i, t in zip(drafting, tokens)}
@@ -195,8 +196,9 @@ class DraftModelProposer(DraftKVCacheMixin):
 
     def _forward(self, batch: Any, rows: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray,
                  req_idx: np.ndarray, positions: np.ndarray, input_ids: np.ndarray,
-                 sample_idx: np.ndarray) -> list[int]:
+                 sample_idx: np.ndarray, connector: Any = None) -> list[int]:
         """One draft forward over ``rows`` of the persistent batch; argmax at ``sample_idx``.
+        ``connector``: bound on the catch-up pass under P/D, so the draft layers save and load.
 
         ``req_idx``/``positions``/``input_ids`` are per token; ``seq_lens`` is each row's context
         length including its new tokens. The metadata has the target's layout, so the same
@@ -213,7 +215,7 @@ class DraftModelProposer(DraftKVCacheMixin):
             block_table=torch.from_numpy(bt.block_table[rows, :max_blocks]).to(dev),
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()))
-        with set_forward_context(md, self.model.attn_layers(), None):
+        with set_forward_context(md, self.model.attn_layers(), connector):
             hidden = self.model(torch.from_numpy(input_ids).to(dev),
                                 torch.from_numpy(positions.astype(np.int64)).to(dev))
         if len(sample_idx) == 0:

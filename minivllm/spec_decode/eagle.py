@@ -161,7 +161,10 @@ class EagleProposer(DraftKVCacheMixin):
             block_table=torch.from_numpy(bt.block_table[rows, :max_blocks]).to(dev),
             slot_mapping=torch.from_numpy(slots.astype(np.int64)).to(dev),
             max_query_len=int(np.diff(cu).max()), max_seq_len=int(seq_lens.max()))
-        with set_forward_context(md, self.model.attn_layers(), None):
+        # The first pass writes the draft KV of the context: under P/D it moves through the
+        # connector (the runner registered the head's layers); later passes only write lookahead.
+        connector = getattr(self, "kv_connector", None) if j == 0 else None
+        with set_forward_context(md, self.model.attn_layers(), connector):
             logits_states, fed_back = self.model(torch.from_numpy(input_ids).to(dev),
                                                  torch.from_numpy(positions.astype(np.int64)).to(dev),
                                                  hidden.to(self.dtype))

@@ -58,6 +58,7 @@ class ModelRunner:
         self.model: Any = None
         self.kv_caches: list[torch.Tensor] = []
         self._draft_token_ids: Optional[dict[str, list[int]]] = None
+        self.defer_finalize = False   # set in initialize_kv_cache
 
         # Spec decode, article "Setup / init device": create the drafter and the rejection sampler.
         self.speculative_config = vllm_config.speculative_config
@@ -80,6 +81,18 @@ class ModelRunner:
         if self.drafter is not None:
             # Article "Setup / load model": load draft weights (a no-op for n-gram).
             self.drafter.load_model(self.model)
+            # A self-draft's layers would share the target's layer names; the connector keys files
+            # by layer name, so they get their own.
+            target_names = set(self.model.attn_layers())
+            for name, layer in self._drafter_attn_layers().items():
+                if name in target_names:
+                    layer.layer_name = f"drafter.{name}"
+
+    def _drafter_attn_layers(self) -> dict[str, Any]:
+        model = getattr(self.drafter, "model", None)
+        if not getattr(self.drafter, "initialize_kv_cache", None) or model is None:
+            return {}   # n-gram and Medusa keep no KV of their own
+        return model.attn_layers()
 
     def kv_cache_bytes_per_block(self) -> int:
         per_token = kv_cache_bytes_per_token(self.model.attn_layers().values(), self.dtype)
@@ -93,9 +106,24 @@ class ModelRunner:
                                         self.block_size, self.dtype, self.device)
         if hasattr(self.drafter, "initialize_kv_cache"):
             self.drafter.initialize_kv_cache(num_blocks, self.block_size)
+        # vLLM 0.32 registers every attention layer, the drafter's too (EAGLE, EAGLE-3, draft
+        # model), and finalizes the connector after the drafter (``defer_finalize``): under P/D the
+        # drafter's KV moves with the target's, so D's first draft pass reads P's draft KV instead
+        # of slots nobody wrote. Only drafter layers with the target's KV layout can share the
+        # connector's files; others stay local (the drafter then recomputes, as before).
+        self.defer_finalize = False
         if self.kv_connector is not None:
+            layers = dict(self.model.attn_layers())
+            ref = next(iter(layers.values())).kv_cache
+            draft = {name: layer for name, layer in self._drafter_attn_layers().items()
+                     if layer.kv_cache.shape[2:] == ref.shape[2:]
+                     and layer.kv_cache.dtype == ref.dtype}
+            if draft and len(draft) == len(self._drafter_attn_layers()):
+                layers.update(draft)
+                self.defer_finalize = True
+                self.drafter.kv_connector = self.kv_connector
             self.kv_connector.register_kv_caches(
-                {name: layer.kv_cache for name, layer in self.model.attn_layers().items()})
+                {name: layer.kv_cache for name, layer in layers.items()})
 
     # ------------------------------------------------------------------ batch state
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -212,7 +240,8 @@ class ModelRunner:
         if self.kv_connector is None:
             return nullcontext(None)
         from minivllm.distributed.kv_transfer import maybe_get_kv_connector_output
-        return maybe_get_kv_connector_output(self.kv_connector, so)
+        return maybe_get_kv_connector_output(self.kv_connector, so,
+                                             defer_finalize=self.defer_finalize)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -280,6 +309,10 @@ class ModelRunner:
                     hidden_states, aux_hidden_states, logits_indices, spec_md, sampled_token_ids)
             self._draft_token_ids = self.propose_draft_token_ids(sampled_token_ids, so)
             self.target_step_outputs = None
+        if self.defer_finalize:
+            # vLLM's finalize_kv_connector: wait_for_save after the drafter saved its layers too.
+            from minivllm.distributed.kv_transfer import finalize_kv_connector
+            finalize_kv_connector(self.kv_connector, so, kv_connector_output)
         return ModelRunnerOutput(list(batch.req_ids), dict(batch.req_id_to_index),
                                  sampled_token_ids, kv_connector_output=kv_connector_output)
 

@@ -23,7 +23,7 @@ from minivllm.forward_context import get_forward_context, set_forward_context
 
 __all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorOutput", "KVConnectorRole",
            "KVConnectorFactory", "validate_kv_transfer_config", "ensure_kv_transfer_initialized",
-           "maybe_get_kv_connector_output",
+           "maybe_get_kv_connector_output", "finalize_kv_connector",
            "kv_connector_no_forward"]
 
 
@@ -36,35 +36,55 @@ def ensure_kv_transfer_initialized(vllm_config: Any, kv_cache_config: Any = None
     return KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
 
 
+def finalize_kv_connector(connector: KVConnectorBase_V1, scheduler_output: Any,
+                          output: KVConnectorOutput, wait_for_save: bool = True) -> KVConnectorOutput:
+    """The end of a step's transfers (vLLM's ``finalize_kv_connector``): ``wait_for_save``, then
+    the finished transfers and load errors into ``output``, then ``clear_connector_metadata``.
+
+    With spec decode and a drafter whose layers are registered (``defer_finalize``) the runner
+    calls it after the drafter ran, so the draft layers' saves are part of the step."""
+    try:
+        if wait_for_save:
+            # Article: "On exit: kv_connector.wait_for_save is called."
+            connector.wait_for_save()
+        output.finished_sending, output.finished_recving = connector.get_finished(
+            scheduler_output.finished_req_ids)
+        output.invalid_block_ids = connector.get_block_ids_with_load_errors()
+        output.kv_connector_stats = connector.get_stats()
+    finally:
+        connector.clear_connector_metadata()
+    return output
+
+
 @contextmanager
 def _get_kv_connector_output(connector: KVConnectorBase_V1, scheduler_output: Any,
-                             wait_for_save: bool = True) -> Iterator[KVConnectorOutput]:
+                             wait_for_save: bool = True,
+                             defer_finalize: bool = False) -> Iterator[KVConnectorOutput]:
     output = KVConnectorOutput()
     if scheduler_output.kv_connector_metadata is not None:
         connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+    finalized = False
     try:
         # Article: "On enter: kv_connector.start_load_kv is called."
         connector.start_load_kv(get_forward_context())
         yield output
+        finalized = defer_finalize   # the runner finalizes after the drafter
     finally:
-        try:
-            if wait_for_save:
-                # Article: "On exit: kv_connector.wait_for_save is called."
-                connector.wait_for_save()
-            output.finished_sending, output.finished_recving = connector.get_finished(
-                scheduler_output.finished_req_ids)
-            output.invalid_block_ids = connector.get_block_ids_with_load_errors()
-            output.kv_connector_stats = connector.get_stats()
-        finally:
-            connector.clear_connector_metadata()
+        if not finalized:
+            finalize_kv_connector(connector, scheduler_output, output, wait_for_save)
 
 
-def maybe_get_kv_connector_output(connector: Optional[KVConnectorBase_V1], scheduler_output: Any):
+def maybe_get_kv_connector_output(connector: Optional[KVConnectorBase_V1], scheduler_output: Any,
+                                  defer_finalize: bool = False):
     """Context manager yielding this step's ``KVConnectorOutput`` (``None`` without a connector).
-    Enter it inside ``set_forward_context``: ``start_load_kv`` reads the layers from there."""
+    Enter it inside ``set_forward_context``: ``start_load_kv`` reads the layers from there.
+
+    ``defer_finalize`` (vLLM 0.32, on whenever spec decode is): leaving the context does not
+    finalize; the metadata stays bound while the drafter runs, so the drafter's layers save (P) and
+    load (D) with the target's, and the caller runs ``finalize_kv_connector`` afterwards."""
     if connector is None:
         return nullcontext(None)
-    return _get_kv_connector_output(connector, scheduler_output)
+    return _get_kv_connector_output(connector, scheduler_output, defer_finalize=defer_finalize)
 
 
 def kv_connector_no_forward(connector: KVConnectorBase_V1, scheduler_output: Any) -> KVConnectorOutput:

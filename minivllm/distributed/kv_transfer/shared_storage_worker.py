@@ -167,7 +167,9 @@ class SharedStorageWorkerMixin:
                 continue
             meta = {"format": storage.FORMAT_VERSION, "model_fingerprint": self._fp(),
                     "num_tokens": len(req.token_ids), "token_ids": req.token_ids,
-                    **layout_of(kv), "block_size": self._block_size}
+                    **layout_of(kv), "block_size": self._block_size,
+                    "num_target_layers": storage.expected_layout(self._vllm_config).get(
+                        "num_layers", len(self._kv_caches))}
             t0 = time.perf_counter()
             try:
                 outcome = writer.commit(meta, lambda: self._is_valid(req.folder, req.token_ids))

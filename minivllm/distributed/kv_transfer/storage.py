@@ -167,7 +167,8 @@ def check_meta(meta: dict[str, Any], folder: str, token_ids: list[int], fingerpr
     layers = meta.get("layers")
     if not isinstance(layers, dict) or not layers:
         raise KVStorageError(f"{folder}: no layers listed")
-    if "num_layers" in layout and len(layers) != layout["num_layers"]:
+    # A drafter's layers (EAGLE, draft model) may be stored after the target's.
+    if "num_layers" in layout and meta.get("num_target_layers", len(layers)) != layout["num_layers"]:
         raise KVStorageError(f"{folder}: {len(layers)} layers stored, model has {layout['num_layers']}")
     if layer_names is not None and set(layer_names) - set(layers):
         raise KVStorageError(f"{folder}: layers {sorted(set(layer_names) - set(layers))[:3]} missing")

@@ -14,6 +14,7 @@ SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa")
 LEARNED_DRAFTER_METHODS = ("eagle", "eagle3", "medusa")
 NGRAM_MATCH_RULES = ("first", "last")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_CONNECTOR_CONTEXTS = ("article", "vllm_today")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -141,10 +142,18 @@ class KVTransferConfig:
     kv_connector: Optional[str] = None
     kv_role: Optional[str] = None
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    # The worker's connector context manager (distributed/kv_transfer/__init__.py): "article"
+    # (start_load_kv on enter, wait_for_save on exit, none on a step without a forward) or
+    # "vllm_today" (vLLM 0.32: start_load_kv on enter only with has_sync_kv_loads, else after the
+    # forward; wait_for_save on every step, also without a forward). minivllm-only field.
+    kv_connector_context: str = "article"
 
     def __post_init__(self) -> None:
         if self.kv_connector is not None and self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}.")
+        if self.kv_connector_context not in KV_CONNECTOR_CONTEXTS:
+            raise ValueError(f"kv_transfer_config.kv_connector_context must be one of "
+                             f"{KV_CONNECTOR_CONTEXTS}, got {self.kv_connector_context!r}.")
 
     @property
     def is_kv_producer(self) -> bool:

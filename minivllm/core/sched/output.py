@@ -58,3 +58,6 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Opaque to the scheduler: what the scheduler-side KV connector tells the worker-side one.
     kv_connector_metadata: Any = None
+    # vLLM 0.32: a request admitted this step loads external KV synchronously (the context manager
+    # option kv_connector_context="vllm_today" starts loads before the forward only then).
+    has_sync_kv_loads: bool = False

@@ -103,6 +103,7 @@ class Scheduler(KVTransferMixin):
         num_scheduled_tokens: dict[str, int] = {}
         scheduled_spec_decode_tokens: dict[str, list[int]] = {}
         token_budget = self.max_num_scheduled_tokens
+        has_sync_kv_loads = False
 
         # A: running requests.
         req_index = 0
@@ -214,6 +215,8 @@ class Scheduler(KVTransferMixin):
 
                 self.waiting.popleft()
                 self.running.append(request)
+                if num_external_computed_tokens > 0:   # not async here: loaded in this step
+                    has_sync_kv_loads = True
                 if request.status == RequestStatus.PREEMPTED:
                     scheduled_resumed_reqs.append(request)
                 else:
@@ -249,6 +252,7 @@ class Scheduler(KVTransferMixin):
             num_common_prefix_blocks=list(num_common_prefix_blocks),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted_reqs},
+            has_sync_kv_loads=has_sync_kv_loads,
         )
         if self.connector is not None:
             # P/D "build metadata object": prefill marks stores, decode marks loads.

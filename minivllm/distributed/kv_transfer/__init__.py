@@ -10,6 +10,21 @@ Model-runner use (article, "Context manager")::
     with set_forward_context(attn_metadata, layers, connector):
         with maybe_get_kv_connector_output(connector, scheduler_output) as kv_connector_output:
             hidden_states = model(input_ids, positions)   # layers call wait_for_layer_load / save_kv_layer
+
+Two orders, chosen by ``KVTransferConfig.kv_connector_context``:
+
+- "article" (default), the article's picture: on enter ``start_load_kv``, on exit ``wait_for_save``;
+  a step with nothing scheduled binds the metadata and collects finished transfers, no save.
+- "vllm_today", vLLM 0.32 (v1/worker/kv_connector_model_runner_mixin.py): on enter
+  ``start_load_kv`` only when ``scheduler_output.has_sync_kv_loads`` (a synchronous load feeds this
+  very forward); otherwise ``start_load_kv`` runs after the forward, keeping the launch of
+  asynchronous loads off the forward's path. ``wait_for_save`` runs on every step, the one without a
+  forward included (vLLM's base.py: "called once per step, including empty steps").
+
+In both, with spec decode and a drafter whose layers the connector moves (``defer_finalize``), the
+runner calls ``finalize_kv_connector`` after the drafter, as vLLM 0.32 does. vLLM 0.32's Model
+Runner V2 (v1/worker/gpu/kv_connector.py) has no context manager: ``KVConnector.pre_forward`` and
+``post_forward`` do the same work.
 """
 from __future__ import annotations
 
@@ -56,6 +71,11 @@ def finalize_kv_connector(connector: KVConnectorBase_V1, scheduler_output: Any,
     return output
 
 
+def _vllm_today(connector: KVConnectorBase_V1) -> bool:
+    ktc = getattr(connector, "_kv_transfer_config", None)
+    return getattr(ktc, "kv_connector_context", "article") == "vllm_today"
+
+
 @contextmanager
 def _get_kv_connector_output(connector: KVConnectorBase_V1, scheduler_output: Any,
                              wait_for_save: bool = True,
@@ -63,15 +83,22 @@ def _get_kv_connector_output(connector: KVConnectorBase_V1, scheduler_output: An
     output = KVConnectorOutput()
     if scheduler_output.kv_connector_metadata is not None:
         connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+    start_after_forward = (_vllm_today(connector)
+                           and not getattr(scheduler_output, "has_sync_kv_loads", False))
     finalized = False
     try:
-        # Article: "On enter: kv_connector.start_load_kv is called."
-        connector.start_load_kv(get_forward_context())
+        if not start_after_forward:
+            # Article: "On enter: kv_connector.start_load_kv is called."
+            connector.start_load_kv(get_forward_context())
         yield output
         finalized = defer_finalize   # the runner finalizes after the drafter
     finally:
-        if not finalized:
-            finalize_kv_connector(connector, scheduler_output, output, wait_for_save)
+        try:
+            if start_after_forward:   # vLLM today: no load feeds this forward
+                connector.start_load_kv(get_forward_context())
+        finally:
+            if not finalized:
+                finalize_kv_connector(connector, scheduler_output, output, wait_for_save)
 
 
 def maybe_get_kv_connector_output(connector: Optional[KVConnectorBase_V1], scheduler_output: Any,
@@ -89,8 +116,10 @@ def maybe_get_kv_connector_output(connector: Optional[KVConnectorBase_V1], sched
 
 def kv_connector_no_forward(connector: KVConnectorBase_V1, scheduler_output: Any) -> KVConnectorOutput:
     """A step with nothing scheduled: still give the connector its metadata and collect finished
-    transfers (no forward, so no ``wait_for_save``)."""
+    transfers. The article's picture calls no ``wait_for_save`` here (there was no forward); vLLM
+    today (``kv_connector_context="vllm_today"``, vLLM 0.32's ``kv_connector_no_forward``) does."""
     with set_forward_context(None, {}, connector):
-        with _get_kv_connector_output(connector, scheduler_output, wait_for_save=False) as output:
+        with _get_kv_connector_output(connector, scheduler_output,
+                                      wait_for_save=_vllm_today(connector)) as output:
             pass
     return output

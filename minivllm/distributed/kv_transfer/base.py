@@ -127,7 +127,8 @@ class KVConnectorBase_V1:
 
     def wait_for_save(self) -> None:
         """Worker, leaving the connector context after the forward: block until every save of
-        this step is complete (not called on steps without a forward)."""
+        this step is complete. The article's order skips it on steps without a forward; vLLM 0.32
+        calls it on every step, empty ones included (``kv_connector_context="vllm_today"``)."""
         raise NotImplementedError
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:

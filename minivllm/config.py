@@ -13,6 +13,7 @@ SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa")
 # Methods whose drafter is a trained head over the target's hidden states (DESIGN 5.1).
 LEARNED_DRAFTER_METHODS = ("eagle", "eagle3", "medusa")
 NGRAM_MATCH_RULES = ("first", "last")
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_CONNECTOR_CONTEXTS = ("article", "vllm_today")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -80,6 +81,11 @@ class SpeculativeConfig:
     # directory (left out on the default model: the heads shipped in the package)
     model: Optional[str] = None
     draft_num_layers: Optional[int] = None  # draft_model: self-draft from the target's first N layers
+    # vLLM 0.32's draft_sample_method (eagle, eagle3, draft_model): "greedy" drafts by argmax and
+    # hands no draft_probs (p_draft = 1); "probabilistic" samples each draft from the drafter's own
+    # distribution at the request's temperature/top-k/top-p and hands those probabilities to the
+    # rejection sampler (the article's p_target / p_draft rule with a learned drafter).
+    draft_sample_method: str = "greedy"
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -108,6 +114,14 @@ class SpeculativeConfig:
             if (self.model is None) == (self.draft_num_layers is None):
                 raise ValueError("speculative_config for method 'draft_model' needs exactly one of "
                                  "'model' (a draft checkpoint) or 'draft_num_layers' (a self-draft).")
+        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(f"speculative_config.draft_sample_method must be one of "
+                             f"{DRAFT_SAMPLE_METHODS}, got {self.draft_sample_method!r}.")
+        if (self.draft_sample_method == "probabilistic"
+                and self.method not in ("eagle", "eagle3", "draft_model")):
+            raise ValueError("speculative_config.draft_sample_method='probabilistic' needs method "
+                             f"'eagle', 'eagle3' or 'draft_model', not {self.method!r} (its drafts "
+                             "have no distribution).")
         if self.method in LEARNED_DRAFTER_METHODS and self.draft_num_layers is not None:
             raise ValueError("speculative_config.draft_num_layers is for method 'draft_model' "
                              f"only, not {self.method!r}.")

@@ -18,8 +18,8 @@ them only while an asynchronous KV load is pending); where a row has fewer slots
 One ``propose_for_batch`` call, per engine step, after the target sampled:
 1. catch-up, one multi-token pass over every row: feed the positions whose draft KV is not valid yet,
    up to the row's last real token (a partial prefill chunk: up to what the target computed). The
-   last logit of a drafting row gives draft 1 (argmax: drafting is greedy, the runner passes
-   ``draft_probs=None``).
+   last logit of a drafting row gives draft 1 (argmax with ``draft_sample_method="greedy"``, the
+   default: the runner passes ``draft_probs=None``; "probabilistic": sampled, with its probs).
 2. k - 1 single-token passes, each feeding the previous draft at the next position.
 
 Validity: per request we remember which token id was fed at each position; the draft KV is valid on
@@ -40,7 +40,7 @@ import torch
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.config import SpeculativeConfig, VllmConfig
 from minivllm.forward_context import set_forward_context
-from minivllm.spec_decode.utils import DraftKVCacheMixin
+from minivllm.spec_decode.utils import DraftKVCacheMixin, sample_draft_tokens
 
 
 def validate_draft_model(spec: SpeculativeConfig, target_hf_config: Any) -> str:
@@ -106,6 +106,8 @@ class DraftModelProposer(DraftKVCacheMixin):
         self.max_model_len = vllm_config.model_config.max_model_len
         self.model: Any = None
         self.states: dict[str, _RequestDraftState] = {}
+        self.probabilistic = self.spec.draft_sample_method == "probabilistic"
+        self.last_draft_probs: dict[str, torch.Tensor] = {}   # req_id -> [num_drafts, vocab]
 
     # ------------------------------------------------------------------ set-up
     def load_model(self, target_model: Any) -> None:
@@ -173,11 +175,14 @@ class DraftModelProposer(DraftKVCacheMixin):
             self.states[batch.req_ids[row]].record(starts[i], fed)
         drafting = [i for i, n in enumerate(num_drafts) if n > 0]
         last_idx = np.cumsum(lens)[drafting] - 1
-        tokens = self._forward(batch, rows_a, lens, ends_a, req_idx, positions, input_ids, last_idx,
-                               connector=getattr(self, "kv_connector", None))
+        tokens, probs = self._forward(batch, rows_a, lens, ends_a, req_idx, positions, input_ids,
+                                      last_idx, connector=getattr(self, "kv_connector", None),
+                                      sample_rows=rows_a[drafting])
 
         # 2. k - 1 single-token passes, each feeding the previous draft.
         drafts: dict[int, list[int]] = {i: [t] for i, t in zip(drafting, tokens)}
+        draft_probs: dict[int, list[torch.Tensor]] = (
+            {i: [probs[r]] for r, i in enumerate(drafting)} if probs is not None else {})
         for j in range(1, max((num_drafts[i] for i in drafting), default=0)):
             active = [i for i in drafting if num_drafts[i] > j]
             if not active:
@@ -188,16 +193,23 @@ class DraftModelProposer(DraftKVCacheMixin):
             for i, p, t in zip(active, pos, ids):
                 self.states[batch.req_ids[rows[i]]].record(int(p), np.array([t]))
             ones = np.ones(len(active), dtype=np.int64)
-            tokens = self._forward(batch, act_rows, ones, pos + 1, act_rows, pos, ids,
-                                   np.arange(len(active)))
-            for i, t in zip(active, tokens):
+            tokens, probs = self._forward(batch, act_rows, ones, pos + 1, act_rows, pos, ids,
+                                          np.arange(len(active)), sample_rows=act_rows)
+            for r, (i, t) in enumerate(zip(active, tokens)):
                 drafts[i].append(t)
+                if probs is not None:
+                    draft_probs[i].append(probs[r])
+        self.last_draft_probs = {batch.req_ids[rows[i]]: torch.stack(p)
+                                 for i, p in draft_probs.items()}
         return {batch.req_ids[rows[i]]: d for i, d in drafts.items()}
 
     def _forward(self, batch: Any, rows: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray,
                  req_idx: np.ndarray, positions: np.ndarray, input_ids: np.ndarray,
-                 sample_idx: np.ndarray, connector: Any = None) -> list[int]:
-        """One draft forward over ``rows`` of the persistent batch; argmax at ``sample_idx``.
+                 sample_idx: np.ndarray, connector: Any = None,
+                 sample_rows: Optional[np.ndarray] = None):
+        """One draft forward over ``rows`` of the persistent batch -> (drafts at ``sample_idx``,
+        their distributions ``[len(sample_idx), vocab]`` or ``None`` when greedy); logits row r
+        belongs to batch row ``sample_rows[r]``.
         ``connector``: bound on the catch-up pass under P/D, so the draft layers save and load.
 
         ``req_idx``/``positions``/``input_ids`` are per token; ``seq_lens`` is each row's context
@@ -219,9 +231,10 @@ class DraftModelProposer(DraftKVCacheMixin):
             hidden = self.model(torch.from_numpy(input_ids).to(dev),
                                 torch.from_numpy(positions.astype(np.int64)).to(dev))
         if len(sample_idx) == 0:
-            return []
+            return [], None
         logits = self.model.compute_logits(hidden[torch.from_numpy(sample_idx).to(dev)])
-        return logits.argmax(dim=-1).tolist()
+        ids, probs = sample_draft_tokens(logits, batch, sample_rows, self.probabilistic)
+        return ids.tolist(), probs
 
     def get_state(self, req_id: str) -> Optional[_RequestDraftState]:
         """The draft-KV bookkeeping of one request (tests and notebooks read it)."""

@@ -10,7 +10,8 @@ Once per engine step, after the target sampled (``propose_for_batch``):
    state at p (EAGLE-3: ``fc`` over the three aux states); each request's last position gets the
    token just sampled (a partial prefill chunk: the next prompt token). Positions and slots are the
    target's, so the draft's KV lands in the *same slots* of its own KV tensors (one block table).
-   The last position's logits give draft 1 (argmax: drafts are greedy, ``draft_probs=None``).
+   The last position's logits give draft 1 (argmax with ``draft_sample_method="greedy"``, the
+   default, ``draft_probs=None``; sampled, with ``draft_probs``, when "probabilistic").
 3. Passes 2..k, one token per request: the previous draft, at position + 1, with the draft's own
    fed-back state; slot from the block table (the scheduler reserved ``num_lookahead_tokens = k``
    slots). A position at or past ``max_model_len`` (or past the row's blocks) is clamped to 0 and
@@ -31,7 +32,8 @@ from minivllm import trace
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.config import VllmConfig
 from minivllm.forward_context import set_forward_context
-from minivllm.spec_decode.utils import PADDING_SLOT_ID, DraftKVCacheMixin, TargetStepOutputs
+from minivllm.spec_decode.utils import (PADDING_SLOT_ID, DraftKVCacheMixin, TargetStepOutputs,
+                                        sample_draft_tokens)
 
 
 def prepare_inputs(cu_target_query_lens: np.ndarray,
@@ -59,6 +61,10 @@ class EagleProposer(DraftKVCacheMixin):
         self.device, self.dtype = device, dtype
         self.max_model_len = vllm_config.model_config.max_model_len
         self.model: Any = None
+        self.probabilistic = self.spec.draft_sample_method == "probabilistic"
+        # req_id -> [num_drafts, vocab] float32: the distributions this step's drafts were drawn
+        # from (probabilistic only); the runner hands them to the rejection sampler next step.
+        self.last_draft_probs: dict[str, torch.Tensor] = {}
 
     prepare_inputs = staticmethod(prepare_inputs)
 
@@ -107,9 +113,10 @@ class EagleProposer(DraftKVCacheMixin):
         else:
             hidden = t.hidden_states[idx]
         rows = np.arange(n)
-        draft, fed_back = self._pass(0, batch, rows, cu, seq_lens, positions, slots, input_ids,
-                                     hidden, last)
-        drafts = [draft]
+        self._drafting = {i for i in range(n) if sampled[i] and batch.req_ids[i] in limits}
+        draft, fed_back, probs = self._pass(0, batch, rows, cu, seq_lens, positions, slots,
+                                            input_ids, hidden, last)
+        drafts, pass_probs = [draft], [probs]
 
         # 3. Passes 2..k over the rows that sampled (a partial prefill chunk drafts nothing).
         active = np.array([i for i in range(n) if sampled[i]], dtype=np.int64)
@@ -126,31 +133,40 @@ class EagleProposer(DraftKVCacheMixin):
             slot = np.where(valid, slot, PADDING_SLOT_ID)
             ids = drafts[-1][active]
             cu_one_each = np.arange(len(active) + 1)
-            draft_a, fed = self._pass(j, batch, active, cu_one_each,
+            draft_a, fed, probs_a = self._pass(j, batch, active, cu_one_each,
                                       np.where(valid, pos + 1, 1)[active],
                                       clamped[active], slot[active], ids, hidden[active],
                                       np.arange(len(active)))
             draft = np.zeros(n, dtype=np.int64)
             draft[active] = draft_a
             drafts.append(draft)
+            if probs_a is not None:
+                probs = torch.zeros_like(pass_probs[0])
+                probs[torch.from_numpy(active).to(self.device)] = probs_a
+                pass_probs.append(probs)
             hidden = torch.zeros_like(hidden)
             hidden[torch.from_numpy(active).to(self.device)] = fed
 
         # A draft from a pass at position p needs p < max_model_len and p inside the row's blocks:
         # draft d (1-based) comes from position L + d - 2, with L = seq_lens (kept context).
         out: dict[str, list[int]] = {}
+        self.last_draft_probs = {}
         for i, req_id in enumerate(batch.req_ids):
             usable = min(limits.get(req_id, 0), int(num_slots[i] - seq_lens[i] + 1),
                          self.max_model_len - int(seq_lens[i]) + 1)
             if usable > 0 and sampled[i]:
                 out[req_id] = [int(d[i]) for d in drafts[:usable]]
+                if self.probabilistic:
+                    self.last_draft_probs[req_id] = torch.stack(
+                        [p[i] for p in pass_probs[:usable]])
         return out
 
     def _pass(self, j: int, batch: Any, rows: np.ndarray, cu: np.ndarray, seq_lens: np.ndarray,
               positions: np.ndarray, slots: np.ndarray, input_ids: np.ndarray,
-              hidden: torch.Tensor, sample_idx: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
-        """One draft forward over ``rows`` of the persistent batch -> (argmax at ``sample_idx``
-        ``[len(sample_idx)]``, fed-back states at ``sample_idx`` ``[len(sample_idx), H]``)."""
+              hidden: torch.Tensor, sample_idx: np.ndarray):
+        """One draft forward over ``rows`` of the persistent batch -> (drafts at ``sample_idx``
+        ``[len(sample_idx)]``, fed-back states at ``sample_idx`` ``[len(sample_idx), H]``, their
+        distributions ``[len(sample_idx), vocab]`` or ``None`` when drafting greedily)."""
         dev = self.device
         bt = batch.block_table
         max_blocks = max(int(bt.num_blocks_per_row[rows].max()), 1)
@@ -169,11 +185,12 @@ class EagleProposer(DraftKVCacheMixin):
                                                  torch.from_numpy(positions.astype(np.int64)).to(dev),
                                                  hidden.to(self.dtype))
         sel = torch.from_numpy(sample_idx).to(dev)
-        draft = self.model.compute_logits(logits_states[sel]).argmax(dim=-1).cpu().numpy()
+        draft, probs = sample_draft_tokens(self.model.compute_logits(logits_states[sel]), batch,
+                                           rows, self.probabilistic, self._drafting)
         if trace.is_recording():
             trace.record("spec_draft_pass", method=self.method, pass_idx=j,
                          req_ids=[batch.req_ids[r] for r in rows],
                          query_start_loc=cu.tolist(), positions=positions.tolist(),
                          slot_mapping=slots.tolist(), input_ids=input_ids.tolist(),
                          draft_token_ids=draft.tolist())
-        return draft, fed_back[sel]
+        return draft, fed_back[sel], probs

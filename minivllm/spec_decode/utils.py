@@ -8,7 +8,7 @@ them in one ``TargetStepOutputs`` that the drafter reads, and only when the draf
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -47,3 +47,29 @@ class DraftKVCacheMixin:
         self.block_size = block_size
         bind_kv_caches(self.model.attn_layers().values(), num_blocks, block_size, self.dtype,
                        self.device)
+
+
+def sample_draft_tokens(logits: torch.Tensor, batch: "Any", rows: np.ndarray,
+                        probabilistic: bool, drafting_rows: Optional[set] = None,
+                        ) -> tuple[np.ndarray, Optional[torch.Tensor]]:
+    """Draft ids ``[m]`` (and with ``probabilistic`` their distributions ``[m, vocab]`` float32)
+    from ``logits`` ``[m, vocab]``, row ``r`` belonging to the persistent batch's row ``rows[r]``.
+
+    ``draft_sample_method="greedy"``: argmax, no probabilities (the rejection sampler then treats
+    each draft as certain, ``p_draft = 1``). ``"probabilistic"`` (vLLM 0.32,
+    ``llm_base_proposer.py``): each row is sampled from the drafter's own distribution at the
+    request's temperature / top-k / top-p, with the request's generator (seeded requests stay
+    reproducible); greedy requests still take the argmax. Only rows in ``drafting_rows`` draw
+    from their generator: a partial prefill chunk's draft is thrown away and must not advance it."""
+    if not probabilistic:
+        return logits.argmax(dim=-1).cpu().numpy(), None
+    from minivllm.sample.metadata import SamplingMetadata
+    from minivllm.sample.sampler import Sampler, compute_probs
+    params = [batch.sampling_params[batch.req_ids[r]] for r in rows]
+    gens = {i: batch.generators[r] for i, r in enumerate(rows)
+            if r in batch.generators and (drafting_rows is None or r in drafting_rows)}
+    sm = SamplingMetadata.from_params(params, gens, logits.device)
+    sm.min_tokens = {}   # drafts are verified against the masked target; q stays the drafter's
+    probs = compute_probs(logits, sm)
+    ids = Sampler()(logits, sm)
+    return ids.cpu().numpy(), probs

@@ -58,6 +58,7 @@ class ModelRunner:
         self.model: Any = None
         self.kv_caches: list[torch.Tensor] = []
         self._draft_token_ids: Optional[dict[str, list[int]]] = None
+        self._draft_probs: dict[str, torch.Tensor] = {}   # req_id -> [num_drafts, vocab]
         self.defer_finalize = False   # set in initialize_kv_cache
 
         # Spec decode, article "Setup / init device": create the drafter and the rejection sampler.
@@ -279,7 +280,8 @@ class ModelRunner:
             # Article step 7: the rejection sampler instead of regular sampling.
             bonus = self.sampler(logits[spec_md.bonus_logits_indices], sampling_metadata,
                                  num_draft_tokens=spec_md.num_draft_tokens)
-            out = self.rejection_sampler(spec_md, None, logits[spec_md.target_logits_indices],
+            out = self.rejection_sampler(spec_md, self._scheduled_draft_probs(spec_md),
+                                         logits[spec_md.target_logits_indices],
                                          bonus.view(-1, 1).to(torch.int32), sampling_metadata)
             sampled_token_ids = RejectionSampler.parse_output(
                 out, logits.shape[-1], discard_req_indices=partial.nonzero()[0].tolist())
@@ -332,8 +334,31 @@ class ModelRunner:
             limits[req_id] = max(0, min(k, max_tokens - len(state.output_token_ids) - 1,
                                         self.max_model_len - 1 - int(batch.num_tokens_no_spec[i])))
         drafts = self.drafter.propose_for_batch(self, limits, so)
+        # draft_sample_method="probabilistic": keep each request's q for the next step's verify.
+        self._draft_probs = dict(getattr(self.drafter, "last_draft_probs", None) or {})
         trace.record("spec_propose", drafts={r: list(d) for r, d in drafts.items()})
         return drafts
+
+    def _scheduled_draft_probs(self, spec_md: SpecDecodeMetadata) -> Optional[torch.Tensor]:
+        """``draft_probs`` ``[num_draft_tokens, vocab]`` for the drafts scheduled this step, in
+        batch order: the distributions they were sampled from (vLLM caches them the same way), or
+        ``None`` when the drafter drafts greedily. The scheduler may have cut drafts, so a request
+        uses the first rows of its cached ``q``; a draft without one (none cached) gets a one-hot
+        row, which is what ``p_draft = 1`` means."""
+        if not self._draft_probs:
+            return None
+        batch, rows = self.input_batch, []
+        vocab = next(iter(self._draft_probs.values())).shape[-1]
+        for i, req_id in enumerate(batch.req_ids):
+            d = spec_md.num_draft_tokens[i]
+            if not d:
+                continue
+            q = self._draft_probs.get(req_id)
+            if q is None or q.shape[0] < d:
+                ids = torch.tensor(batch.spec_token_ids[req_id][:d], device=self.device)
+                q = torch.nn.functional.one_hot(ids.clamp(min=0), vocab).float()
+            rows.append(q[:d])
+        return torch.cat(rows).to(self.device)
 
     def take_draft_token_ids(self) -> Optional[dict[str, list[int]]]:
         drafts, self._draft_token_ids = self._draft_token_ids, None

@@ -14,6 +14,7 @@ SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa")
 LEARNED_DRAFTER_METHODS = ("eagle", "eagle3", "medusa")
 NGRAM_MATCH_RULES = ("first", "last")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -136,14 +137,31 @@ class SpeculativeConfig:
 
 @dataclass
 class KVTransferConfig:
-    """vLLM's KVTransferConfig: which connector moves KV between instances, and this instance's role."""
+    """vLLM's KVTransferConfig (vllm/config/kv_transfer.py): which connector moves KV between
+    instances, and this instance's role.
+
+    ``kv_load_failure_policy``: what a KV load that fails after the scheduler counted its tokens
+    as computed costs. ``"recompute"`` (minivllm's default): the request is cut back to its first
+    bad block and computes the rest itself, so a failure costs compute, never a request.
+    ``"fail"`` (vLLM 0.32's default): the request finishes with ``FINISHED_ERROR``
+    (``finish_reason == "error"``), the engine lives on and the server answers with an error.
+    ``kv_lease_duration``: seconds a producer holds a finished request's blocks for a pull
+    connector's reader before it frees them unread (vLLM's name and default, 30 s)."""
     kv_connector: Optional[str] = None
     kv_role: Optional[str] = None
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_load_failure_policy: str = "recompute"
+    kv_lease_duration: float = 30.0
 
     def __post_init__(self) -> None:
         if self.kv_connector is not None and self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}.")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, "
+                             f"got {self.kv_load_failure_policy!r}.")
+        lease = self.kv_lease_duration
+        if not isinstance(lease, (int, float)) or isinstance(lease, bool) or lease <= 0:
+            raise ValueError(f"kv_lease_duration must be a positive number of seconds, got {lease!r}.")
 
     @property
     def is_kv_producer(self) -> bool:

@@ -76,3 +76,5 @@ KVConnectorFactory.register_connector(
 KVConnectorFactory.register_connector(
     "RedisStoreConnector",
     "minivllm.distributed.kv_transfer.redis_store_connector", "RedisStoreConnector")
+KVConnectorFactory.register_connector(
+    "ZmqPullConnector", "minivllm.distributed.kv_transfer.zmq_pull_connector", "ZmqPullConnector")

@@ -228,6 +228,7 @@ class ZmqPullConnector(ZmqPullWorkerMixin, KVConnectorBase_V1):
     def _send_done(self, params: dict) -> None:
         try:
             request(self._ctx, f"tcp://{params['remote_host']}:{params['remote_port']}",
-                    {"op": "done", "req_id": params.get("remote_request_id")}, 0.5)
+                    {"op": "done", "req_id": params.get("remote_request_id"),
+                     "engine_id": params.get("remote_engine_id")}, 0.5)
         except Exception:   # noqa: BLE001 (P is gone: its lease frees the blocks)
             pass

@@ -43,6 +43,10 @@ class PullError(Exception):
     """A pull that cannot complete: P refused, timed out, or does not match D."""
 
 
+class PullRefused(PullError):
+    """P answered, and said no: D does not send ``done`` (the blocks may be someone else's)."""
+
+
 def request(ctx: Any, address: str, header: dict, timeout_s: float) -> list[bytes]:
     """One REQ round trip with bounded waits (a dead peer costs ``timeout_s``, never a hang)."""
     import zmq
@@ -125,6 +129,8 @@ class ZmqPullWorkerMixin:
                                              time.monotonic() + float(msg["lease_s"]))
             return [json.dumps(ok).encode()]
         if op == "done":
+            if msg.get("engine_id") != self._engine_id:
+                return [json.dumps({"status": "refused", "reason": "another engine"}).encode()]
             with self._lock:
                 if self._held.pop(msg["req_id"], None) is not None:
                     self._sent.add(msg["req_id"])
@@ -193,7 +199,7 @@ class ZmqPullWorkerMixin:
                     "block_ids": req.remote_block_ids, "layer": i}, self._timeout_s)
                 header = json.loads(frames[0])
                 if header["status"] != "ok":
-                    raise PullError(f"P refused the read: {header['reason']}")
+                    raise PullRefused(f"P refused the read: {header['reason']}")
                 want = [2, len(req.local_block_ids), *kv.shape[2:]]
                 if header["shape"] != want or header["dtype"] != str(kv.dtype).removeprefix("torch."):
                     raise PullError(f"P sent {header['shape']} {header['dtype']}, expected {want}")
@@ -203,11 +209,13 @@ class ZmqPullWorkerMixin:
                 nbytes += len(frames[1])
         except Exception as e:   # noqa: BLE001 (every failure becomes invalid blocks, never a hang)
             error = e
-        try:   # tell P to free, whatever happened (best effort: P may be gone)
-            request(self._ctx, address, {"op": "done", "req_id": req.remote_request_id},
-                    min(self._timeout_s, 1.0))
-        except Exception:   # noqa: BLE001
-            pass
+        if not isinstance(error, PullRefused):
+            try:   # tell P to free, whatever happened (best effort: P may be gone)
+                request(self._ctx, address, {"op": "done", "req_id": req.remote_request_id,
+                                             "engine_id": req.remote_engine_id},
+                        min(self._timeout_s, 1.0))
+            except Exception:   # noqa: BLE001
+                pass
         with self._lock:
             if error is not None and req.req_id in self._cancelled:
                 pass        # aborted: its blocks are freed, nothing to recompute

@@ -1,12 +1,14 @@
 """``python -m minivllm.bench pd``: disaggregated P/D, time to first token on the decode instance
 with the prompt's KV loaded from ``SharedStorageConnector`` and from ``RedisStoreConnector`` (a
-real redis-server; synchronous and asynchronous loads) against recomputing it; then the async
-effect: the inter-token latency of requests already decoding while a long prompt's KV loads.
+real redis-server; synchronous and asynchronous loads) and pulled from P's blocks by
+``ZmqPullConnector`` (vLLM's NixlConnector flow over a ZeroMQ side channel) against recomputing it;
+then the async effect: the inter-token latency of requests already decoding while a long prompt's KV loads.
 
 Three instances of one model in this process, prefix caching off so that nothing is reused
 locally: P (``kv_producer``) prefills each prompt with ``max_tokens=1`` and stores its KV; D-load
 (``kv_consumer``) then runs the same prompt and loads all whole blocks below the last token;
-D-recompute (no connector) runs it from scratch. The same with a Redis P and two Redis Ds. Every prompt is fresh random token ids, every
+D-recompute (no connector) runs it from scratch. The same with a Redis P and two Redis Ds, and
+with a pull P (which holds the prompt's blocks until D has read them) and a pull D. Every prompt is fresh random token ids, every
 instance is warmed up first, and the first tokens of the three runs must agree (a sanity check of
 what is being timed). Ratios from one run are what count; absolute times vary by machine.
 """
@@ -30,6 +32,25 @@ def _timed(llm, prompt_ids: list[int]) -> tuple[float, int]:
     return time.perf_counter() - t0, out[0].outputs[0].token_ids[0]
 
 
+def _timed_pull(p, d, prompt_ids: list[int]) -> tuple[float, int, int]:
+    """P prefills with ``do_remote_decode``; D's TTFT includes the whole pull; then P is stepped
+    until it freed the held blocks (on D's "done")."""
+    from minivllm import SamplingParams
+
+    def params(kv: dict) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
+                              extra_args={"kv_transfer_params": kv})
+    prompt = [{"prompt_token_ids": prompt_ids}]
+    out_p = p.generate(prompt, params({"do_remote_decode": True}), use_tqdm=False)[0]
+    t0 = time.perf_counter()
+    out_d = d.generate(prompt, params(out_p.kv_transfer_params), use_tqdm=False)[0]
+    t = time.perf_counter() - t0
+    deadline = time.monotonic() + 30
+    while p.llm_engine.has_requests() and time.monotonic() < deadline:
+        p.llm_engine.step()
+    return t, out_p.outputs[0].token_ids[0], out_d.outputs[0].token_ids[0]
+
+
 def _stats(llm) -> dict:
     return dict(llm.llm_engine.engine_core.worker.kv_connector.get_stats())
 
@@ -39,7 +60,8 @@ def _delta(after: dict, before: dict) -> dict:
 
 
 def run(model: str, lengths: list[int], repeats: int, block_size: int, device: str, dtype: str,
-        layerwise: bool, storage: str, redis_url: Optional[str] = None) -> list[dict]:
+        layerwise: bool, storage: str, redis_url: Optional[str] = None,
+        pull: bool = True) -> list[dict]:
     import random
 
     from minivllm import LLM
@@ -62,6 +84,10 @@ def run(model: str, lengths: list[int], repeats: int, block_size: int, device: s
         redis_ps = [LLM(kv_transfer_config=rtc("kv_producer"), **common),
                     LLM(kv_transfer_config=rtc("kv_consumer", False), **common),
                     LLM(kv_transfer_config=rtc("kv_consumer", True), **common)]
+    pull_ps = []
+    if pull:
+        pull_ps = [LLM(kv_transfer_config=KVTransferConfig("ZmqPullConnector", role), **common)
+                   for role in ("kv_producer", "kv_consumer")]
     vocab = p.vllm_config.hf_config.vocab_size
     rng = random.Random(0)
 
@@ -71,6 +97,8 @@ def run(model: str, lengths: list[int], repeats: int, block_size: int, device: s
     warm = fresh(2 * block_size + 1)
     for llm in (p, d_load, d_rec, *redis_ps):
         _timed(llm, warm)
+    if pull_ps:
+        _timed_pull(*pull_ps, warm)
 
     rows = []
     for n in lengths:
@@ -97,6 +125,14 @@ def run(model: str, lengths: list[int], repeats: int, block_size: int, device: s
                     redis_store_mb_s=r_stored["num_stored_bytes"] / 2**20 / max(r_stored["save_time_s"], 1e-9),
                     redis_load_mb_s=sum(x["num_loaded_bytes"] for x in r_loaded) / 2**20
                     / max(sum(x["load_time_s"] for x in r_loaded), 1e-9))
+            if pull_ps:
+                pd0 = _stats(pull_ps[1])
+                t_pull, tok_pp, tok_pd = _timed_pull(*pull_ps, ids)
+                firsts += [tok_pp, tok_pd]
+                pulled = _delta(_stats(pull_ps[1]), pd0)
+                extra.update(ttft_pull=t_pull, pull_loaded_tokens=pulled["num_loaded_tokens"],
+                             pull_mb_s=pulled["num_loaded_bytes"] / 2**20
+                             / max(pulled["load_time_s"], 1e-9))
             rows.append(dict(
                 prompt_tokens=n, loaded_tokens=loaded["num_loaded_tokens"], ttft_prefill_store=t_p,
                 ttft_load=t_load, ttft_recompute=t_rec,
@@ -132,6 +168,21 @@ def print_table(rows: list[dict]) -> None:
             print(" | ".join(str(c).rjust(len(h)) for c, h in zip(cells, head)))
 
 
+def print_pull_table(rows: list[dict]) -> None:
+    head = ("prompt", "D TTFT recompute s", "SharedStorage s", "Redis async s", "pull s",
+            "pull/recompute", "pull/Redis", "pulled", "pull MiB/s")
+    print("\n" + " | ".join(head))
+    print("-|-".join("-" * len(h) for h in head))
+    for r in rows:
+        redis = r.get("ttft_redis_async")
+        cells = (r["prompt_tokens"], f"{r['ttft_recompute']:.3f}", f"{r['ttft_load']:.3f}",
+                 f"{redis:.3f}" if redis else "-", f"{r['ttft_pull']:.3f}",
+                 f"{r['ttft_pull'] / r['ttft_recompute']:.2f}x",
+                 f"{r['ttft_pull'] / redis:.2f}x" if redis else "-", r["pull_loaded_tokens"],
+                 f"{r['pull_mb_s']:.0f}")
+        print(" | ".join(str(c).rjust(len(h)) for c, h in zip(cells, head)))
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench pd", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -146,7 +197,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--storage", default=None, help="shared_storage_path (default: a temp dir)")
     ap.add_argument("--redis-url", default=None,
                     help="RedisStoreConnector url (default: start a redis-server for the run)")
-    ap.add_argument("--no-redis", action="store_true", help="SharedStorage and recompute only")
+    ap.add_argument("--no-redis", action="store_true", help="no RedisStoreConnector columns")
+    ap.add_argument("--no-pull", action="store_true", help="no ZmqPullConnector column")
     ap.add_argument("--itl-prompt", type=int, default=None,
                     help="async effect: tokens of the prompt whose KV loads (default: the longest "
                          "of --lengths; 0: skip)")
@@ -164,7 +216,7 @@ def main(argv=None) -> list[dict]:
         url = server.url
     try:
         rows = run(args.model, lengths, args.repeats, args.block_size, args.device, args.dtype,
-                   args.layerwise, storage, url)
+                   args.layerwise, storage, url, pull=not args.no_pull)
         itl = None
         itl_prompt = max(lengths) if args.itl_prompt is None else args.itl_prompt
         if url is not None and itl_prompt:
@@ -179,6 +231,8 @@ def main(argv=None) -> list[dict]:
     print(f"\nP/D time to first token, {os.path.basename(args.model.rstrip('/'))}, block size "
           f"{args.block_size}{', layerwise' if args.layerwise else ''}; one run, ratios are what count\n")
     print_table(rows)
+    if rows and "ttft_pull" in rows[0]:
+        print_pull_table(rows)
     if itl is not None:
         print_itl(itl)
     return rows

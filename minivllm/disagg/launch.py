@@ -1,7 +1,8 @@
 """``python -m minivllm.disagg.launch --prefill N --decode M --port P [--model M] [--seed S]``: a
 whole P/D cluster on one machine, on 127.0.0.1: the KV store (a Redis server from
-``python -m minivllm.kvstore`` for ``RedisStoreConnector``, or a temporary folder for
-``SharedStorageConnector``), N prefill servers (``kv_producer``), M decode servers
+``python -m minivllm.kvstore`` for ``RedisStoreConnector``, a temporary folder for
+``SharedStorageConnector``, nothing for ``ZmqPullConnector``: each decode server pulls from the
+prefill server's side channel named in the ``kv_transfer_params``), N prefill servers (``kv_producer``), M decode servers
 (``kv_consumer``), each a ``python -m minivllm.serve`` process with its share of the CPU threads,
 and the proxy on port P. It prints the URLs (and one JSON line with every PID), waits until every
 instance answers ``/health``, and stops every child it started, by PID, on exit or Ctrl-C.
@@ -26,6 +27,7 @@ from typing import Optional
 import httpx
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+CONNECTORS = ("RedisStoreConnector", "SharedStorageConnector", "ExampleConnector", "ZmqPullConnector")
 
 
 def free_port() -> int:
@@ -126,9 +128,8 @@ def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int]
         raise ValueError(f"--prefill and --decode must be >= 1, got {num_prefill}, {num_decode}.")
     if kv_connector == "auto":
         kv_connector = "RedisStoreConnector" if redis_available() else "SharedStorageConnector"
-    if kv_connector not in ("RedisStoreConnector", "SharedStorageConnector", "ExampleConnector"):
-        raise ValueError(f"kv_connector must be 'auto', 'RedisStoreConnector', "
-                         f"'SharedStorageConnector' or 'ExampleConnector', got {kv_connector!r}.")
+    if kv_connector not in CONNECTORS:
+        raise ValueError(f"kv_connector must be 'auto' or one of {CONNECTORS}, got {kv_connector!r}.")
     total = num_threads or os.cpu_count() or 1
     per_instance = max(1, total // (num_prefill + num_decode))
     env = dict(os.environ, OMP_NUM_THREADS=str(per_instance))
@@ -141,6 +142,9 @@ def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int]
         if kv_connector == "RedisStoreConnector":
             cluster.kv_store = _start_redis(cluster, env, startup_timeout)
             extra = {"url": cluster.kv_store}
+        elif kv_connector == "ZmqPullConnector":
+            cluster.kv_store = "none (D pulls from P's side channel)"
+            extra = {}
         else:
             cluster.kv_store = tempfile.mkdtemp(prefix="minivllm-kv-")
             owned.append(cluster.kv_store)
@@ -149,10 +153,12 @@ def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int]
                   "--num-threads", str(per_instance), *(server_args or [])]
         for role, n, urls in (("prefill", num_prefill, cluster.prefill_urls),
                               ("decode", num_decode, cluster.decode_urls)):
-            kv = {"kv_connector": kv_connector,
-                  "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-                  "kv_connector_extra_config": extra}
             for i in range(n):
+                kv = {"kv_connector": kv_connector,
+                      "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+                      "kv_connector_extra_config": dict(extra)}
+                if kv_connector == "ZmqPullConnector" and role == "prefill":
+                    kv["kv_connector_extra_config"]["side_channel_port"] = free_port()
                 p = free_port()
                 urls.append(f"http://127.0.0.1:{p}")
                 _spawn(cluster, f"{role}{i}", [*common, "--port", str(p),
@@ -180,8 +186,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--num-threads", type=int, default=None,
                     help="CPU threads for all instances together (default: all cores)")
     ap.add_argument("--kv-connector", default="auto",
-                    choices=["auto", "RedisStoreConnector", "SharedStorageConnector",
-                             "ExampleConnector"])
+                    choices=["auto", *CONNECTORS])
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--server-args", default="",
                     help="extra flags for every server, e.g. \"--max-model-len 2048\"")

@@ -199,8 +199,10 @@ class AsyncLLM:
             self._wakeup.clear()
             self._handle_commands()
             if not self.engine.has_unfinished_requests():
-                self._wakeup.wait(timeout=0.5)
-                continue
+                if not self.engine.has_requests():
+                    self._wakeup.wait(timeout=0.5)
+                    continue
+                self._wakeup.wait(timeout=0.01)   # only held blocks left: step, but gently
             try:
                 outputs = self.engine.step()
             except Exception as e:        # noqa: BLE001 (reported to every caller, then we stop)

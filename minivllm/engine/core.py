@@ -34,13 +34,16 @@ class EngineCore:
 
     def step(self) -> list[tuple[Request, list[int]]]:
         """One engine step. Returns (request, new token ids) for requests that progressed."""
-        if not self.scheduler.has_unfinished_requests():
+        # vLLM's has_requests(): also step for finished requests whose ids the worker has not
+        # seen yet or whose blocks a transfer still holds, so they are freed without new work.
+        if not self.scheduler.has_requests():
             return []
         with self.tracer.step(self.step_index):
             scheduler_output = self.scheduler.schedule()
-            if (scheduler_output.total_num_scheduled_tokens == 0 and not self.scheduler.running
-                    and not scheduler_output.preempted_req_ids
-                    and not self.scheduler.waiting_for_remote_kvs):
+            if (scheduler_output.total_num_scheduled_tokens == 0 and self.scheduler.waiting
+                    and not self.scheduler.running and not scheduler_output.preempted_req_ids
+                    and not self.scheduler.waiting_for_remote_kvs
+                    and not self.scheduler.delayed_free):
                 raise RuntimeError(
                     "The KV cache cannot hold even one waiting request "
                     f"({self.vllm_config.cache_config.num_gpu_blocks} blocks of "

@@ -101,7 +101,15 @@ class LLMEngine:
             self._requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
+        """Requests a caller still waits for (``LLM.generate`` loops on this, as vLLM's loops on
+        its output processor)."""
         return self.scheduler.has_unfinished_requests()
+
+    def has_requests(self) -> bool:
+        """Whether ``step()`` has anything to do, vLLM's ``EngineCore`` busy-loop condition:
+        unfinished requests, or finished ones whose blocks wait for a transfer (a server loop
+        keeps stepping on this so a producer's held blocks are freed on ``finished_sending``)."""
+        return self.scheduler.has_requests()
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return a RequestOutput for every request that progressed."""

@@ -1,23 +1,33 @@
 """The scheduler's KV-transfer bookkeeping, mirroring the parts of vllm/v1/core/sched/scheduler.py
 that only a KV connector exercises: failed loads (``_handle_invalid_blocks``), the worker's finished
 transfers (``_update_from_kv_xfer_finished``) and waking a request whose asynchronous load landed
-(``_update_waiting_for_remote_kv``). A mixin of ``Scheduler``, kept apart so that the scheduling
-loop reads in one sitting; it uses the scheduler's ``requests``, ``running``, ``kv_cache_manager``,
-``connector``, ``waiting_for_remote_kvs`` and ``finished_recving_kv_req_ids``.
+(``_update_waiting_for_remote_kv``), and the delayed free of finished requests whose blocks a
+transfer still uses (``_delay_or_free``). A mixin of ``Scheduler``, kept apart so that the
+scheduling loop reads in one sitting; it uses the scheduler's ``requests``, ``running``,
+``kv_cache_manager``, ``connector``, ``waiting_for_remote_kvs``, ``finished_recving_kv_req_ids``
+and ``delayed_free``.
+
+Delayed free (vLLM's ``_free_request`` / ``_update_from_kv_xfer_finished``): a finished request
+leaves ``running`` / ``waiting`` at once, but its blocks and its ``requests`` entry stay while
+(a) the connector's ``request_finished`` returned ``delay_free=True``, until the worker reports
+the request in ``finished_sending`` (P in the pull model: D reads P's blocks after P finished), or
+(b) an asynchronous load still writes into them, until ``finished_recving`` (an abort while
+``WAITING_FOR_REMOTE_KVS``; the scheduler does this for every connector).
 """
 from __future__ import annotations
 
 from typing import Any
 
 from minivllm import trace
-from minivllm.request import Request
+from minivllm.request import Request, RequestStatus
 
 
 class KVTransferMixin:
     def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:
         """External KV that failed to load after it was counted as computed (vLLM's
         ``_handle_invalid_blocks``): cut each affected request back to its first invalid block so
-        the next step recomputes from there; its output this step was computed on bad KV."""
+        the next step recomputes from there; its output this step was computed on bad KV.
+        Returns the affected ids (running ones and asynchronous loads)."""
         affected = set()
         for req_id, target in list(self.waiting_for_remote_kvs.items()):   # async loads
             block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
@@ -25,6 +35,7 @@ class KVTransferMixin:
                    if b in invalid_block_ids]
             if bad:
                 self.waiting_for_remote_kvs[req_id] = min(target, bad[0] * self.block_size)
+                affected.add(req_id)
         for request in self.running:
             block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]
             num_blocks = -(-request.num_computed_tokens // self.block_size)
@@ -40,19 +51,74 @@ class KVTransferMixin:
             affected.add(request.request_id)
         return affected
 
+    def _kv_load_failure_policy(self) -> str:
+        ktc = self.vllm_config.kv_transfer_config
+        return ktc.kv_load_failure_policy if ktc is not None else "recompute"
+
+    def _finish_failed_loads(self, req_ids: set[str]) -> list[tuple[Request, list[int]]]:
+        """``kv_load_failure_policy="fail"`` (vLLM 0.32's default): a request whose external KV
+        did not load finishes with ``FINISHED_ERROR`` and no new tokens; an asynchronous load keeps
+        its blocks until the worker reports it (``_free_request``)."""
+        outputs = []
+        for req_id in sorted(req_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_ERROR
+            trace.record("kv_load_failed", req_id=req_id, policy="fail")
+            self._free_request(request)
+            outputs.append((request, []))
+        return outputs
+
+    def _computed_block_ids(self, request: Request) -> list[int]:
+        """The blocks that hold the request's computed tokens (vLLM passes
+        ``get_block_ids_for_computed_tokens`` to ``request_finished``): lookahead blocks that were
+        never written are not offered to a reader."""
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]
+        return block_ids[:-(-max(request.num_computed_tokens, 0) // self.block_size)]
+
+    def _delay_or_free(self, request: Request, sending: bool, recving: bool) -> None:
+        reasons = ({"sending"} if sending else set()) | ({"recving"} if recving else set())
+        if reasons:
+            self.delayed_free[request.request_id] = reasons
+            trace.record("delay_free", req_id=request.request_id, reasons=sorted(reasons),
+                         block_ids=self.kv_cache_manager.get_block_ids(request.request_id)[0])
+        else:
+            self.kv_cache_manager.free(request)
+            del self.requests[request.request_id]
+
+    def _release_delayed(self, req_id: str, reason: str) -> bool:
+        """One transfer holding a finished request's blocks completed; free them once none does.
+        Returns whether ``req_id`` was a delayed finished request."""
+        reasons = self.delayed_free.get(req_id)
+        if reasons is None:
+            return False
+        reasons.discard(reason)
+        if not reasons:
+            del self.delayed_free[req_id]
+            request = self.requests.pop(req_id)
+            trace.record("delayed_free_done", req_id=req_id, reason=reason,
+                         block_ids=self.kv_cache_manager.get_block_ids(req_id)[0])
+            self.kv_cache_manager.free(request)
+        return True
+
     def _update_from_kv_xfer_finished(self, kv_out: Any) -> None:
-        """The worker's async transfers that completed: loads wake their request up in the next
-        ``schedule()``; a request finished meanwhile (aborted) frees its blocks only now."""
+        """vLLM's ``_update_from_kv_xfer_finished``: loads wake their request up in the next
+        ``schedule()``; a finished request's held blocks are freed once its last transfer is done
+        (``finished_sending`` on the producer, ``finished_recving`` after an abort)."""
         self.connector.update_connector_output(kv_out)
         for req_id in (kv_out.finished_recving or ()):
-            request = self.requests.get(req_id)
-            if request is None:
+            if self._release_delayed(req_id, "recving"):
                 continue
-            if request.is_finished():
-                self.kv_cache_manager.free(request)
-                del self.requests[req_id]
-            else:
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished():
                 self.finished_recving_kv_req_ids.add(req_id)
+        for req_id in (kv_out.finished_sending or ()):
+            self._release_delayed(req_id, "sending")
 
     def _update_waiting_for_remote_kv(self, request: Request) -> bool:
         """vLLM's ``_update_waiting_for_remote_kv``: once the load is reported, the request's loaded

@@ -69,6 +69,9 @@ class Scheduler(KVTransferMixin):
         # the ids the worker reported loaded, not yet seen by the waiting loop.
         self.waiting_for_remote_kvs: dict[str, int] = {}
         self.finished_recving_kv_req_ids: set[str] = set()
+        # Finished requests whose blocks are still held: req_id -> what they wait for
+        # ({"sending"}: the connector's worker reads them out; {"recving"}: a load writes into them).
+        self.delayed_free: dict[str, set[str]] = {}
         if vllm_config.kv_transfer_config is not None and vllm_config.kv_transfer_config.kv_connector:
             from minivllm.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
             self.connector = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER)
@@ -92,6 +95,17 @@ class Scheduler(KVTransferMixin):
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_finished_requests(self) -> bool:
+        """vLLM's ``has_finished_requests``: finished ids the worker has not been told yet, or
+        finished requests whose blocks wait for the connector (``finished_sending`` or the end of
+        an asynchronous load). The engine keeps stepping for them (``has_requests``)."""
+        if self.finished_req_ids:
+            return True
+        return len(self.requests) > len(self.running) + len(self.waiting)
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
@@ -307,6 +321,8 @@ class Scheduler(KVTransferMixin):
         kv_out = model_runner_output.kv_connector_output
         failed = self._handle_invalid_blocks(kv_out.invalid_block_ids) if (
             kv_out is not None and kv_out.invalid_block_ids) else set()
+        if failed and self._kv_load_failure_policy() == "fail":
+            outputs += self._finish_failed_loads(failed)
         if kv_out is not None:
             self._update_from_kv_xfer_finished(kv_out)
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -352,17 +368,22 @@ class Scheduler(KVTransferMixin):
             request.spec_token_ids = list(drafts)
 
     def _free_request(self, request: Request) -> None:
+        """vLLM's ``_free_request``: the connector sees the blocks of the computed tokens and may
+        keep them (``delay_free``) until its worker reports ``finished_sending``; a request whose
+        asynchronous load is still writing into its blocks keeps them until ``finished_recving``,
+        whatever the connector says (vLLM's ``finish_requests``)."""
         assert request.is_finished()
+        req_id = request.request_id
         delay_free = False
-        self.waiting_for_remote_kvs.pop(request.request_id, None)
-        self.finished_recving_kv_req_ids.discard(request.request_id)
+        loading = (req_id in self.waiting_for_remote_kvs
+                   and req_id not in self.finished_recving_kv_req_ids)
+        self.waiting_for_remote_kvs.pop(req_id, None)
+        self.finished_recving_kv_req_ids.discard(req_id)
         if self.connector is not None:
             delay_free, request.output_kv_transfer_params = self.connector.request_finished(
-                request, self.kv_cache_manager.get_block_ids(request.request_id)[0])
-        self.finished_req_ids.add(request.request_id)
-        if not delay_free:
-            self.kv_cache_manager.free(request)
-            del self.requests[request.request_id]
+                request, self._computed_block_ids(request))
+        self.finished_req_ids.add(req_id)
+        self._delay_or_free(request, sending=bool(delay_free), recving=loading)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                      eos_token_id: Optional[int], prompt: Optional[str] = None) -> Request:

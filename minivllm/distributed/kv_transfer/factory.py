@@ -78,3 +78,5 @@ for _name in ("SharedStorageConnector", "ExampleConnector"):
 KVConnectorFactory.register_connector(
     "RedisStoreConnector",
     "minivllm.distributed.kv_transfer.redis_store_connector", "RedisStoreConnector")
+KVConnectorFactory.register_connector(
+    "ZmqPullConnector", "minivllm.distributed.kv_transfer.zmq_pull_connector", "ZmqPullConnector")

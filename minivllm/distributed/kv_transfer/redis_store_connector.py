@@ -33,7 +33,7 @@ import torch
 
 from minivllm.distributed.kv_transfer import redis_store, storage
 from minivllm.distributed.kv_transfer.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                   KVConnectorOutput, KVConnectorRole)
+                                                   KVConnectorRole)
 from minivllm.distributed.kv_transfer.redis_store import Chunk
 from minivllm.distributed.kv_transfer.redis_store_worker import RedisStoreWorkerMixin
 from minivllm.distributed.kv_transfer.shared_storage_connector import align_to_block_size
@@ -120,7 +120,6 @@ class RedisStoreConnector(RedisStoreWorkerMixin, KVConnectorBase_V1):
         # Scheduler state.
         self._lookups: dict[str, tuple[int, list[Chunk]]] = {}   # req_id -> (matched end, chunks)
         self._requests_need_load: dict[str, RedisReqMeta] = {}
-        self._recving: set[str] = set()                           # async loads in flight
         self._pending_stores: dict[str, tuple[int, list[Chunk], list[int]]] = {}
         self._stored: dict[str, dict[str, Any]] = {}              # req_id -> kv_transfer_params
         self._init_worker_state()
@@ -248,7 +247,6 @@ class RedisStoreConnector(RedisStoreWorkerMixin, KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> RedisStoreConnectorMetadata:
         """Article step "Build metadata object": this step's loads (sync or async) and stores."""
         meta = RedisStoreConnectorMetadata(list(self._requests_need_load.values()))
-        self._recving.update(r.req_id for r in meta.requests if r.load_async)
         self._requests_need_load = {}
         num_computed: dict[str, int] = {}
         for req in scheduler_output.scheduled_new_reqs:
@@ -272,16 +270,14 @@ class RedisStoreConnector(RedisStoreWorkerMixin, KVConnectorBase_V1):
         self._record("build_connector_meta", result=meta.describe())
         return meta
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._recving.difference_update(connector_output.finished_recving or ())
-
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
-        """Free at once (the KV left P inside the forward), unless an async load still writes into
-        the blocks; ``kv_transfer_params`` for the client: what P stored, for D to load."""
+        """Free at once: the KV left P inside the forward (an aborted async load keeps its blocks
+        until ``finished_recving``, which the scheduler itself sees to); ``kv_transfer_params`` for
+        the client: what P stored, for D to load."""
         req_id = request.request_id
         for d in (self._lookups, self._requests_need_load, self._pending_stores):
             d.pop(req_id, None)
-        delay = req_id in self._recving
+        delay = False
         params = self._stored.pop(req_id, None)
         self._record("request_finished", req_id, args={"block_ids": list(block_ids)},
                      result=(delay, params))

@@ -99,6 +99,8 @@ class OpenAIServing:
             return error_response(str(e), 500)
         if final is None:                      # the client went away; the request was aborted
             return error_response("client disconnected", 499)
+        if final.outputs[0].finish_reason == "error":   # kv_load_failure_policy="fail"
+            return error_response("the request's KV cache failed to load", 500)
         return JSONResponse(self._full_response(request_id, final, chat), headers=headers)
 
     # ------------------------------------------------------------------ responses
@@ -148,7 +150,10 @@ class OpenAIServing:
                 if out.finished:
                     break
                 out = await gen.__anext__()
-            yield self._chunk(request_id, chat, None, finish_reason=out.outputs[0].finish_reason)
+            if out.outputs[0].finish_reason == "error":   # kv_load_failure_policy="fail"
+                yield f"data: {json.dumps(error_body('KV load failed', 'InternalServerError', 500))}\n\n"
+            else:
+                yield self._chunk(request_id, chat, None, finish_reason=out.outputs[0].finish_reason)
             if include_usage:
                 c = out.outputs[0]
                 usage = {"id": request_id, "object": "chat.completion.chunk" if chat

@@ -1,0 +1,89 @@
+"""``python -m minivllm.disagg.launch --kv-connector ZmqPullConnector``: 1 prefill and 2 decode
+servers and the unchanged proxy, no KV store. Requests through the proxy give one instance's greedy
+outputs; the decode servers pulled the prompts from the prefill server, whose held blocks are all
+freed again (on D's "done"); stopping the launcher stops every child."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_utils import child_env, free_port, metric
+from test_disagg import pid_alive
+
+NUM_REQUESTS = 8
+PROMPTS = [f"Request {i}: the quick brown fox jumps over the lazy dog, then the dog sleeps under "
+           f"the old oak tree while the fox counts to {i * 7} and back again." for i in
+           range(NUM_REQUESTS)]
+SERVER_ARGS = "--max-model-len 512 --num-gpu-blocks-override 128"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_chat_dir, tmp_path_factory):
+    log_path = str(tmp_path_factory.mktemp("launch") / "launch.log")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minivllm.disagg.launch", "--prefill", "1", "--decode", "2",
+         "--port", str(free_port()), "--model", tiny_chat_dir, "--num-threads", "3",
+         "--kv-connector", "ZmqPullConnector", "--server-args", SERVER_ARGS],
+        stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=child_env())
+    info, deadline = None, time.monotonic() + 240
+    while info is None and time.monotonic() < deadline and proc.poll() is None:
+        for line in open(log_path):
+            if line.startswith("CLUSTER "):
+                info = json.loads(line[len("CLUSTER "):])
+        time.sleep(0.5)
+    try:
+        assert info is not None, open(log_path).read()[-3000:]
+        yield {**info, "launcher": proc}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for pid in (info or {}).get("pids", {}).values():
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_pull_cluster_equals_one_instance(cluster, tiny_chat_dir):
+    from minivllm import LLM, SamplingParams
+    llm = LLM(model=tiny_chat_dir, max_model_len=512, num_gpu_blocks_override=128)
+    reference = [o.outputs[0].text for o in llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
+    client = openai.OpenAI(base_url=cluster["proxy"] + "/v1", api_key="EMPTY", max_retries=0,
+                           timeout=120)
+
+    def complete(i: int) -> str:
+        kw = dict(model=tiny_chat_dir, prompt=PROMPTS[i], max_tokens=8, temperature=0,
+                  extra_body={"ignore_eos": True})
+        if i % 2 == 0:
+            return client.completions.create(**kw).choices[0].text
+        return "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)
+                       if c.choices)
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(complete, range(NUM_REQUESTS)))
+    assert got == reference
+    assert cluster["kv_connector"] == "ZmqPullConnector" and "kvstore" not in cluster["pids"]
+    records = httpx.get(cluster["proxy"] + "/proxy/requests").json()
+    assert all(r["kv_transfer_params"]["do_remote_prefill"] for r in records)
+    loaded = [metric(u, "minivllm:kv_connector_worker_num_loaded_tokens_total")
+              for u in cluster["decode"]]
+    assert all(n >= 32 for n in loaded), loaded
+    p = cluster["prefill"][0]
+    assert metric(p, "minivllm:kv_connector_scheduler_num_held_total") == NUM_REQUESTS
+    deadline = time.monotonic() + 10           # P's held blocks go back on finished_sending
+    while metric(p, "vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(p, "vllm:kv_cache_usage_perc") == 0
+    assert metric(p, "minivllm:kv_connector_worker_num_leases_expired_total") == 0

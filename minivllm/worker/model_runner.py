@@ -28,6 +28,7 @@ from minivllm.sample.rejection_sampler import RejectionSampler
 from minivllm.sample.sampler import Sampler
 from minivllm.spec_decode.metadata import SpecDecodeMetadata
 from minivllm.spec_decode.utils import TargetStepOutputs
+from minivllm.steps import BREAKS, at_step
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
 
 
@@ -67,6 +68,7 @@ class ModelRunner:
             from minivllm.spec_decode import create_drafter
             self.drafter = create_drafter(vllm_config, device, dtype)
             self.rejection_sampler = RejectionSampler(backend="auto")
+            if BREAKS and at_step("spec.setup"): breakpoint()
         # EAGLE-3 reads residual streams of the target (vLLM's use_aux_hidden_state_outputs); the
         # learned drafters read this step's target states from target_step_outputs.
         self.use_aux_hidden_state_outputs = (self.speculative_config is not None
@@ -80,6 +82,7 @@ class ModelRunner:
         if self.drafter is not None:
             # Article "Setup / load model": load draft weights (a no-op for n-gram).
             self.drafter.load_model(self.model)
+            if BREAKS and at_step("spec.load"): breakpoint()
 
     def kv_cache_bytes_per_block(self) -> int:
         per_token = kv_cache_bytes_per_token(self.model.attn_layers().values(), self.dtype)
@@ -143,6 +146,7 @@ class ModelRunner:
             batch.token_ids_cpu[row, start:start + len(drafts)] = drafts
             batch.num_tokens[row] = start + len(drafts)
             batch.spec_token_ids[req_id] = list(drafts)
+            if BREAKS and at_step("spec.5", drafts): breakpoint()
 
     def _prepare_inputs(self, so: SchedulerOutput):
         batch = self.input_batch
@@ -198,6 +202,7 @@ class ModelRunner:
             np.repeat(np.arange(len(num_draft_tokens)), num_draft_tokens),
             np.concatenate([self.input_batch.num_tokens_no_spec[i] + np.arange(d)
                             for i, d in enumerate(num_draft_tokens)]).astype(np.int64)]
+        if BREAKS and at_step("spec.6"): breakpoint()
         t = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(self.device)  # noqa: E731
         return SpecDecodeMetadata(
             draft_token_ids=t(draft_token_ids), num_draft_tokens=num_draft_tokens.tolist(),
@@ -244,6 +249,7 @@ class ModelRunner:
         if spec_md is None:
             sampled = self.sampler(logits, sampling_metadata).tolist()
             sampled_token_ids = [[] if partial[i] else [t] for i, t in enumerate(sampled)]
+            if BREAKS and at_step("spec.1", so.scheduled_new_reqs): breakpoint()
         else:
             # Article step 7: the rejection sampler instead of regular sampling.
             bonus = self.sampler(logits[spec_md.bonus_logits_indices], sampling_metadata)
@@ -297,6 +303,7 @@ class ModelRunner:
                                         self.max_model_len - 1 - int(batch.num_tokens_no_spec[i])))
         drafts = self.drafter.propose_for_batch(self, limits, so)
         trace.record("spec_propose", drafts={r: list(d) for r, d in drafts.items()})
+        if BREAKS and at_step("spec.2", any(drafts.values())): breakpoint()
         return drafts
 
     def take_draft_token_ids(self) -> Optional[dict[str, list[int]]]:

@@ -5,7 +5,8 @@ breakpoint (``minivllm/steps.py``) and replaces ``sys.breakpointhook`` for the r
 prints the step id on its own line, the article's sentence in our words, ``file:line`` and function,
 and the values that matter there, read from the engine's live frame; then it waits for Enter.
 ``--pdb`` opens pdb in that frame instead (``c`` goes on to the next step); ``--no-wait`` runs
-straight through (CI).
+straight through (CI); ``--ide`` leaves ``breakpoint()`` to the debugger already in charge (VS Code's
+debugpy stops in the engine's frame).
 
 - ``spec``: the article's n-gram example (same prompts, ``temperature=0.8, top_p=0.95``, k=3), plus
   one self-repeating prompt so that the n-gram drafter finds a match right after the prefill.
@@ -203,17 +204,21 @@ def run(argv: Optional[list[str]] = None, out: Any = None) -> Tour:
     how = parser.add_mutually_exclusive_group()
     how.add_argument("--pdb", action="store_true", help="open pdb at each step's frame")
     how.add_argument("--no-wait", action="store_true", help="run straight through")
+    how.add_argument("--ide", action="store_true",
+                     help="leave each breakpoint() to the debugger in charge (VS Code's debugpy, "
+                          "or $PYTHONBREAKPOINT): it stops in the engine's frame")
     args = parser.parse_args(argv)
     if args.max_tokens < 1:
         parser.error("--max-tokens must be at least 1")
     from minivllm.entrypoints.llm import DEFAULT_MODEL
     model = args.model or DEFAULT_MODEL
-    tour = Tour("pdb" if args.pdb else "no-wait" if args.no_wait else "wait", out)
+    tour = Tour("pdb" if args.pdb else "no-wait" if args.no_wait else "ide" if args.ide else "wait", out)
     out = tour.out
     print(f"minivllm tour {args.part}: {len(TOURS[args.part])} article steps "
           f"({', '.join(TOURS[args.part])})", file=out)
     previous_hook, previous_quiet = sys.breakpointhook, steps.quiet
-    sys.breakpointhook, steps.quiet = tour.hook, True
+    if tour.mode != "ide":      # --ide: at_step() prints its line, the debugger does the rest
+        sys.breakpointhook, steps.quiet = tour.hook, True
     try:
         outputs = (run_spec if args.part == "spec" else run_pd)(tour, model, args.max_tokens,
                                                                 args.temperature)
@@ -231,7 +236,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     tour = run(argv)
     part = (argv or sys.argv[1:])[0] if (argv or sys.argv[1:]) else ""
     missing = [i for i in TOURS.get(part, ()) if i not in {s.id for s in tour.stops}]
-    if missing:
+    if missing and tour.mode != "ide":
         print(f"not reached in this run: {', '.join(missing)}", file=sys.stderr)
     return 0
 

@@ -1,4 +1,5 @@
-"""``python -m minivllm.bench {throughput,spec,pd,gpu,serve} [options]``: benchmarks that print side-by-side tables."""
+"""``python -m minivllm.bench {throughput,spec,pd,gpu,serve} [options] [--markdown[=SECTION]]``:
+benchmarks that print side-by-side tables; ``--markdown`` also writes them into RESULTS.md."""
 import importlib
 import sys
 
@@ -10,7 +11,11 @@ BENCHMARKS = {"throughput": "minivllm.bench.throughput", "spec": "minivllm.bench
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in BENCHMARKS:
         raise SystemExit(f"usage: python -m minivllm.bench {{{','.join(BENCHMARKS)}}} [options]")
-    importlib.import_module(BENCHMARKS[sys.argv[1]]).main(sys.argv[2:])
+    run = importlib.import_module(BENCHMARKS[sys.argv[1]]).main
+    if any(a == "--markdown" or a.startswith("--markdown=") for a in sys.argv[2:]):
+        from minivllm.bench.results import capture_markdown   # also writes bench/RESULTS.md
+        return capture_markdown(sys.argv[1], sys.argv[2:], run)
+    run(sys.argv[2:])
 
 
 if __name__ == "__main__":

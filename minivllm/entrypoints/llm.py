@@ -43,7 +43,9 @@ class LLM:
         attention_backend: str = "auto",
         kv_cache_memory_bytes: Optional[int] = None,
         enable_chunked_prefill: bool = True,
+        break_at: Optional[Sequence[str]] = None,   # article-step breakpoints (minivllm/steps.py)
     ) -> None:
+        __import__("minivllm.steps").steps.configure(break_at)   # unknown id: ValueError, before any work
         # 1. Plain argument checks: nothing is loaded yet.
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"

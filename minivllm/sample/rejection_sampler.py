@@ -30,6 +30,7 @@ from minivllm.sample.logits_processor import apply_min_tokens
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.sampler import apply_temperature, apply_top_k_top_p, exponential_noise
 from minivllm.spec_decode.metadata import SpecDecodeMetadata
+from minivllm.steps import BREAKS, at_step
 
 PLACEHOLDER_TOKEN_ID = -1
 GREEDY_TEMPERATURE = 0.0
@@ -222,6 +223,7 @@ class RejectionSampler(nn.Module):
             metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,
             metadata.cu_num_draft_tokens, draft_probs, target_probs, target_argmax, bonus_token_ids,
             sampling_metadata, self.backend)
+        if BREAKS and at_step("spec.7"): breakpoint()
         if self.record or trace.is_recording():
             records = _build_record(metadata, draft_probs, target_probs, target_argmax, uniform_probs,
                                     _is_greedy(sampling_metadata, output.shape[0], output.device), output)

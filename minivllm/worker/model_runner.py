@@ -28,6 +28,7 @@ from minivllm.sample.rejection_sampler import RejectionSampler
 from minivllm.sample.sampler import Sampler
 from minivllm.spec_decode.metadata import SpecDecodeMetadata
 from minivllm.spec_decode.utils import TargetStepOutputs
+from minivllm.steps import BREAKS, at_step
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
 
 
@@ -69,6 +70,7 @@ class ModelRunner:
             from minivllm.spec_decode import create_drafter
             self.drafter = create_drafter(vllm_config, device, dtype)
             self.rejection_sampler = RejectionSampler(backend="auto")
+            if BREAKS and at_step("spec.setup"): breakpoint()
         # EAGLE-3 reads residual streams of the target (vLLM's use_aux_hidden_state_outputs); the
         # learned drafters read this step's target states from target_step_outputs.
         self.use_aux_hidden_state_outputs = (self.speculative_config is not None
@@ -88,6 +90,7 @@ class ModelRunner:
             for name, layer in self._drafter_attn_layers().items():
                 if name in target_names:
                     layer.layer_name = f"drafter.{name}"
+            if BREAKS and at_step("spec.load"): breakpoint()
 
     def _drafter_attn_layers(self) -> dict[str, Any]:
         model = getattr(self.drafter, "model", None)
@@ -172,6 +175,7 @@ class ModelRunner:
             batch.token_ids_cpu[row, start:start + len(drafts)] = drafts
             batch.num_tokens[row] = start + len(drafts)
             batch.spec_token_ids[req_id] = list(drafts)
+            if BREAKS and at_step("spec.5", drafts): breakpoint()
 
     def _prepare_inputs(self, so: SchedulerOutput):
         batch = self.input_batch
@@ -227,6 +231,7 @@ class ModelRunner:
             np.repeat(np.arange(len(num_draft_tokens)), num_draft_tokens),
             np.concatenate([self.input_batch.num_tokens_no_spec[i] + np.arange(d)
                             for i, d in enumerate(num_draft_tokens)]).astype(np.int64)]
+        if BREAKS and at_step("spec.6"): breakpoint()
         t = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(self.device)  # noqa: E731
         return SpecDecodeMetadata(
             draft_token_ids=t(draft_token_ids), num_draft_tokens=num_draft_tokens.tolist(),
@@ -276,6 +281,7 @@ class ModelRunner:
         if spec_md is None:
             sampled = self.sampler(logits, sampling_metadata).tolist()
             sampled_token_ids = [[] if partial[i] else [t] for i, t in enumerate(sampled)]
+            if BREAKS and at_step("spec.1", so.scheduled_new_reqs): breakpoint()
         else:
             # Article step 7: the rejection sampler instead of regular sampling.
             bonus = self.sampler(logits[spec_md.bonus_logits_indices], sampling_metadata,
@@ -337,6 +343,7 @@ class ModelRunner:
         # draft_sample_method="probabilistic": keep each request's q for the next step's verify.
         self._draft_probs = dict(getattr(self.drafter, "last_draft_probs", None) or {})
         trace.record("spec_propose", drafts={r: list(d) for r, d in drafts.items()})
+        if BREAKS and at_step("spec.2", any(drafts.values())): breakpoint()
         return drafts
 
     def _scheduled_draft_probs(self, spec_md: SpecDecodeMetadata) -> Optional[torch.Tensor]:

@@ -14,6 +14,7 @@ import torch
 from minivllm.config import VllmConfig
 from minivllm.core.sched.output import SchedulerOutput
 from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+from minivllm.steps import BREAKS, at_step
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
@@ -45,6 +46,7 @@ class Worker:
         self.dtype = resolve_dtype(self.vllm_config.model_config.dtype, self.device)
         torch.manual_seed(self.vllm_config.model_config.seed)
         self.kv_connector = init_worker_distributed_environment(self.vllm_config)
+        if BREAKS and at_step("pd.init.worker", self.kv_connector is not None): breakpoint()
         self.model_runner = ModelRunner(self.vllm_config, self.device, self.dtype,
                                         kv_connector=self.kv_connector)
 

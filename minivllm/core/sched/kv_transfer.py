@@ -20,6 +20,7 @@ from typing import Any
 
 from minivllm import trace
 from minivllm.request import Request, RequestStatus
+from minivllm.steps import BREAKS, at_step
 
 
 class KVTransferMixin:
@@ -137,4 +138,5 @@ class KVTransferMixin:
         request.num_external_computed_tokens = min(request.num_external_computed_tokens,
                                                    num_computed_tokens)
         trace.record("remote_kv_ready", req_id=req_id, num_computed_tokens=num_computed_tokens)
+        if BREAKS and at_step("pd.async_ready"): breakpoint()
         return True

@@ -27,6 +27,7 @@ from minivllm.core.sched.output import CachedRequestData, NewRequestData, Schedu
 from minivllm.core.sched.utils import check_stop, record_schedule
 from minivllm.request import Request, RequestStatus
 from minivllm.spec_decode.metrics import SpecDecodingStats
+from minivllm.steps import BREAKS, at_step
 
 
 class Scheduler(KVTransferMixin):
@@ -75,6 +76,7 @@ class Scheduler(KVTransferMixin):
         if vllm_config.kv_transfer_config is not None and vllm_config.kv_transfer_config.kv_connector:
             from minivllm.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
             self.connector = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER)
+            if BREAKS and at_step("pd.init.scheduler"): breakpoint()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -147,6 +149,7 @@ class Scheduler(KVTransferMixin):
             if new_blocks is None:
                 break
 
+            if BREAKS and at_step("spec.4", request.spec_token_ids): breakpoint()
             scheduled_running_reqs.append(request)
             req_to_new_blocks[request.request_id] = new_blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
@@ -186,6 +189,7 @@ class Scheduler(KVTransferMixin):
                             skipped_waiting.append(self.waiting.popleft())
                             continue
                         request.num_external_computed_tokens = num_external_computed_tokens
+                        if BREAKS and at_step("pd.lookup"): breakpoint()
                     num_computed_tokens = num_new_local_computed_tokens + num_external_computed_tokens
                 else:   # back from an async load: its KV is in place, its blocks are allocated
                     num_new_local_computed_tokens = 0
@@ -217,6 +221,7 @@ class Scheduler(KVTransferMixin):
                     self.connector.update_state_after_alloc(
                         request, self.kv_cache_manager.get_blocks(request.request_id),
                         num_external_computed_tokens)
+                    if BREAKS and at_step("pd.update_state"): breakpoint()
                 if load_kv_async:
                     # The worker fetches in the background; other requests keep running.
                     skipped_waiting.append(self.waiting.popleft())
@@ -225,6 +230,7 @@ class Scheduler(KVTransferMixin):
                     trace.record("remote_kv_wait", req_id=request.request_id,
                                  num_local_computed_tokens=num_new_local_computed_tokens,
                                  num_external_computed_tokens=num_external_computed_tokens)
+                    if BREAKS and at_step("pd.async_wait"): breakpoint()
                     continue
 
                 self.waiting.popleft()
@@ -272,6 +278,7 @@ class Scheduler(KVTransferMixin):
             # P/D "build metadata object": prefill marks stores, decode marks loads.
             scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(
                 scheduler_output)
+            if BREAKS and at_step("pd.build_meta", scheduler_output.kv_connector_metadata): breakpoint()
         self._update_after_schedule(scheduler_output)
         if trace.is_recording():
             record_schedule(self, scheduler_output, token_budget)
@@ -356,6 +363,7 @@ class Scheduler(KVTransferMixin):
             request.append_output_token_ids(token_id)
             if check_stop(request, self.max_model_len, self.detokenize):
                 # Tokens after a stop (e.g. accepted drafts past an EOS) are dropped.
+                if BREAKS and at_step("spec.8"): breakpoint()
                 return new_token_ids[:i + 1], True
         return new_token_ids, False
 
@@ -366,6 +374,7 @@ class Scheduler(KVTransferMixin):
             if request is None or request.is_finished():
                 continue
             request.spec_token_ids = list(drafts)
+            if BREAKS and at_step("spec.3", drafts): breakpoint()
 
     def _free_request(self, request: Request) -> None:
         """vLLM's ``_free_request``: the connector sees the blocks of the computed tokens and may

@@ -1,4 +1,4 @@
-"""Checks for the classroom exercises in ``notebooks/04_exercises.ipynb``.
+"""Checks for the speculative-decoding exercises in ``notebooks/04_exercises.ipynb``.
 
 Each ``check_<name>(student_fn)`` runs the student's function on hand-made cases (expected values
 written out below) and on cases answered by minivllm's own implementation, then prints a one-line

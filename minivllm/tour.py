@@ -1,0 +1,245 @@
+"""A guided walk through the article's steps: ``python -m minivllm.tour spec|pd [--pdb] [--no-wait]``.
+
+The tour runs the article's example (``minivllm/examples/``) with every step of that part armed as a
+breakpoint (``minivllm/steps.py``) and replaces ``sys.breakpointhook`` for the run: at each stop it
+prints the step id on its own line, the article's sentence in our words, ``file:line`` and function,
+and the values that matter there, read from the engine's live frame; then it waits for Enter.
+``--pdb`` opens pdb in that frame instead (``c`` goes on to the next step); ``--no-wait`` runs
+straight through (CI); ``--ide`` leaves ``breakpoint()`` to the debugger already in charge (VS Code's
+debugpy stops in the engine's frame).
+
+- ``spec``: the article's n-gram example (same prompts, ``temperature=0.8, top_p=0.95``, k=3), plus
+  one self-repeating prompt so that the n-gram drafter finds a match right after the prefill.
+- ``pd``: the article's prefill and decode instances, one after the other in this process (the
+  article's ``prefill_done`` event becomes "the prefill run returned"), sharing a temporary
+  ``shared_storage_path``. The article's prompts are shorter than one 16-token block, so nothing
+  would move: the tour puts a longer prompt first.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from minivllm import steps
+
+SPEC_PROMPTS = ["one two three four five, one two three four five, one two three",
+                "Hello, my name is", "The president of the United States is"]
+PD_PROMPTS = ["Prefill and decode have very different performance profiles, so running them on "
+              "separate instances gives tighter control over both latencies.",
+              "Hello, my name is", "The president of the United States is"]
+# Token-id stand-ins for a checkpoint without a tokenizer (the tests' tiny random models).
+SPEC_TOKEN_PROMPTS = [[5, 6, 7, 8, 9] * 3, [11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27]]
+PD_TOKEN_PROMPTS = [list(range(30, 70)), [11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27]]
+TOURS = {"spec": steps.GROUPS["spec"],
+         "pd": tuple(i for i in steps.GROUPS["pd"] if not i.startswith("pd.async"))}
+
+
+@dataclass
+class Stop:
+    id: str
+    instance: str          # "" (spec), "prefill" or "decode"
+    file: str
+    line: int
+    function: str
+
+
+def _short(value: Any, limit: int = 240) -> str:
+    if hasattr(value, "tolist") and getattr(value, "ndim", 1) <= 2:
+        value = value.tolist()
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _decisions(frame: Any) -> list[str]:
+    """spec.7: the accept/reject decision per draft, from the tensors the sampler just used."""
+    from minivllm.sample.rejection_sampler import _build_record, _is_greedy
+    f = frame.f_locals
+    out = f["output"]
+    records = _build_record(f["metadata"], f["draft_probs"], f["target_probs"], f["target_argmax"],
+                            f["uniform_probs"], _is_greedy(f["sampling_metadata"], out.shape[0],
+                                                           out.device), out)
+    lines = []
+    for row, positions in enumerate(records):
+        parts = []
+        for p in positions:
+            if p["kind"] == "bonus":
+                parts.append(f"{'all accepted -> bonus' if parts else 'no drafts -> sampled'} "
+                             f"{p['output_token_id']}")
+                continue
+            u = "greedy" if p["uniform"] is None else f"u={p['uniform']:.3f}"
+            verdict = "accept" if p["accepted"] else f"reject -> recovered {p['output_token_id']}"
+            parts.append(f"draft {p['draft_token_id']} p_target={p['p_target']:.3f} {u}: {verdict}")
+        lines.append(f"row {row}: " + "; ".join(parts))
+    return lines
+
+
+def _metadata(frame: Any) -> list[str]:
+    """pd.build_meta / pd.enter: the requests this step stores (is_store=True) or loads."""
+    f = frame.f_locals
+    meta = (f["scheduler_output"].kv_connector_metadata if "scheduler_output" in f else None)
+    describe = getattr(meta, "describe", None)
+    return [_short(d) for d in describe()] if describe else ["(no per-request metadata)"]
+
+
+def _files(frame: Any) -> list[str]:
+    """pd.exit: what is in the shared storage now (one folder per prefix, a file per layer)."""
+    root = getattr(frame.f_locals["connector"], "_storage_path", None)
+    if not root or not os.path.isdir(root):
+        return ["(no local storage)"]
+    lines = []
+    for name in sorted(os.listdir(root)):
+        files = sorted(os.listdir(os.path.join(root, name)))
+        lines.append(f"{name}/: {len(files)} files ({', '.join(files[:3])}{', ...' if len(files) > 3 else ''})")
+    return lines or ["(empty: nothing long enough to store yet)"]
+
+
+EXTRAS: dict[str, Callable[[Any], list[str]]] = {
+    "spec.7": _decisions, "pd.build_meta": _metadata, "pd.enter": _metadata, "pd.exit": _files}
+
+
+def describe_frame(step: steps.Step, frame: Any) -> list[str]:
+    """The lines a stop prints: where, then each of the step's ``show`` expressions and extras."""
+    path = frame.f_code.co_filename
+    here = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
+    lines = [f"  article: {step.article}",
+             f"  where:   {here}:{frame.f_lineno}  in {frame.f_code.co_qualname}"]
+    for node in ast.parse(f"({step.show},)", mode="eval").body.elts:
+        expr = ast.unparse(node)
+        try:
+            value = _short(eval(expr, frame.f_globals, frame.f_locals))
+        except Exception as e:     # a value must never break the engine run
+            value = f"<error: {type(e).__name__}: {e}>"
+        lines.append(f"  {expr} = {value}")
+    if step.id in EXTRAS:
+        try:
+            lines += ["  " + x for x in EXTRAS[step.id](frame)]
+        except Exception as e:
+            lines.append(f"  <error: {type(e).__name__}: {e}>")
+    return lines
+
+
+class Tour:
+    def __init__(self, mode: str = "wait", out: Any = None) -> None:
+        self.mode, self.out = mode, out or sys.stdout
+        self.instance = ""
+        self.stops: list[Stop] = []
+
+    def hook(self, *args: Any, **kwargs: Any) -> None:
+        """Installed as ``sys.breakpointhook``: the engine's ``breakpoint()`` lands here."""
+        frame = sys._getframe(1)
+        step = steps.current
+        self.stops.append(Stop(step.id, self.instance, frame.f_code.co_filename, frame.f_lineno,
+                               frame.f_code.co_qualname))
+        tag = f"  ({self.instance} instance)" if self.instance else ""
+        print(f"\n[{len(self.stops)}]{tag}", file=self.out)
+        print(step.id, file=self.out)
+        print("\n".join(describe_frame(step, frame)), file=self.out, flush=True)
+        if self.mode == "pdb":
+            import pdb
+            pdb.Pdb().set_trace(frame)
+        elif self.mode == "wait":
+            try:
+                if input("  -- Enter: next step, q: run to the end -- ").strip() == "q":
+                    self.mode = "no-wait"
+            except EOFError:
+                self.mode = "no-wait"
+
+
+def _prompts(model: str, texts: list[str], token_ids: list[list[int]]):
+    """Text prompts, or token ids when the checkpoint has no tokenizer (skip_tokenizer_init)."""
+    has_tok = not os.path.isdir(model) or any(
+        os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    return (texts, False) if has_tok else ([{"prompt_token_ids": t} for t in token_ids], True)
+
+
+def run_spec(tour: Tour, model: str, max_tokens: int, temperature: Optional[float]) -> list[Any]:
+    from minivllm import LLM, SamplingParams
+    from minivllm.examples.speculative_decoding import sampling_params, speculative_config
+    prompts, skip = _prompts(model, SPEC_PROMPTS, SPEC_TOKEN_PROMPTS)
+    if temperature is None:
+        temperature = sampling_params.temperature
+    params = SamplingParams(temperature=temperature, top_p=sampling_params.top_p,
+                            max_tokens=max_tokens)
+    llm = LLM(model=model, speculative_config=speculative_config, skip_tokenizer_init=skip,
+              break_at=TOURS["spec"])
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def run_pd(tour: Tour, model: str, max_tokens: int, temperature: Optional[float]) -> list[Any]:
+    import gc
+    from minivllm import LLM, SamplingParams
+    from minivllm.config import KVTransferConfig
+    prompts, skip = _prompts(model, PD_PROMPTS, PD_TOKEN_PROMPTS)
+    storage = tempfile.mkdtemp(prefix="minivllm_tour_storage_")
+    ktc = KVTransferConfig(kv_connector="SharedStorageConnector", kv_role="kv_both",
+                           kv_connector_extra_config={"shared_storage_path": storage})
+    try:
+        tour.instance = "prefill"
+        llm = LLM(model=model, kv_transfer_config=ktc, skip_tokenizer_init=skip, break_at=TOURS["pd"])
+        llm.generate(prompts, SamplingParams(temperature=0, top_p=0.95, max_tokens=1), use_tqdm=False)
+        del llm
+        gc.collect()
+        tour.instance = "decode"
+        llm = LLM(model=model, kv_transfer_config=ktc, skip_tokenizer_init=skip, break_at=TOURS["pd"])
+        return llm.generate(prompts, SamplingParams(temperature=0, top_p=0.95, max_tokens=max_tokens),
+                            use_tqdm=False)
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+
+
+def run(argv: Optional[list[str]] = None, out: Any = None) -> Tour:
+    parser = argparse.ArgumentParser(prog="python -m minivllm.tour", description=__doc__.split("\n")[0])
+    parser.add_argument("part", choices=sorted(TOURS), help="spec: speculative decoding; pd: P/D")
+    parser.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per prompt")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="spec: override the article's 0.8 (0 = greedy; a tiny random model "
+                             "repeats itself, and so gets n-gram drafts, only when greedy)")
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--pdb", action="store_true", help="open pdb at each step's frame")
+    how.add_argument("--no-wait", action="store_true", help="run straight through")
+    how.add_argument("--ide", action="store_true",
+                     help="leave each breakpoint() to the debugger in charge (VS Code's debugpy, "
+                          "or $PYTHONBREAKPOINT): it stops in the engine's frame")
+    args = parser.parse_args(argv)
+    if args.max_tokens < 1:
+        parser.error("--max-tokens must be at least 1")
+    from minivllm.entrypoints.llm import DEFAULT_MODEL
+    model = args.model or DEFAULT_MODEL
+    tour = Tour("pdb" if args.pdb else "no-wait" if args.no_wait else "ide" if args.ide else "wait", out)
+    out = tour.out
+    print(f"minivllm tour {args.part}: {len(TOURS[args.part])} article steps "
+          f"({', '.join(TOURS[args.part])})", file=out)
+    previous_hook, previous_quiet = sys.breakpointhook, steps.quiet
+    if tour.mode != "ide":      # --ide: at_step() prints its line, the debugger does the rest
+        sys.breakpointhook, steps.quiet = tour.hook, True
+    try:
+        outputs = (run_spec if args.part == "spec" else run_pd)(tour, model, args.max_tokens,
+                                                                args.temperature)
+    finally:
+        sys.breakpointhook, steps.quiet = previous_hook, previous_quiet
+        steps.disarm()
+    print(f"\ntour done: {len(tour.stops)} stops", file=out)
+    for o in outputs:
+        text = o.outputs[0].text if o.outputs[0].text else o.outputs[0].token_ids
+        print(f"  output: {text!r}", file=out)
+    return tour
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    tour = run(argv)
+    part = (argv or sys.argv[1:])[0] if (argv or sys.argv[1:]) else ""
+    missing = [i for i in TOURS.get(part, ()) if i not in {s.id for s in tour.stops}]
+    if missing and tour.mode != "ide":
+        print(f"not reached in this run: {', '.join(missing)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

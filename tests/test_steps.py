@@ -1,0 +1,102 @@
+"""Article-step breakpoints (minivllm/steps.py): every id has its one hook line in the function the
+registry names; ids are checked; a real pdb stops once per requested id; outputs do not change."""
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+import minivllm
+from minivllm import SamplingParams, steps
+
+from conftest import generate_tokens, tiny_llm
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PKG = os.path.dirname(minivllm.__file__)
+NGRAM = {"method": "ngram", "prompt_lookup_max": 5, "prompt_lookup_min": 3, "num_speculative_tokens": 3}
+PROMPTS = [[5, 6, 7, 8, 9] * 3, [11, 12, 13, 14, 15]]
+
+
+def _hooks_in(path: str) -> dict[str, list[str]]:
+    """step id -> qualified names of the functions whose body calls at_step(id, ...)."""
+    tree = ast.parse(open(path).read())
+    found: dict[str, list[str]] = {}
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.ClassDef)):
+                visit(child, prefix + [child.name])
+                continue
+            if (isinstance(child, ast.Call) and getattr(child.func, "id", None) == "at_step"
+                    and isinstance(child.args[0], ast.Constant)):
+                found.setdefault(child.args[0].value, []).append(".".join(prefix))
+            visit(child, prefix)
+    visit(tree, [])
+    return found
+
+
+def test_every_step_is_hooked_once_in_its_documented_function():
+    for step in steps.STEPS:
+        hooks = _hooks_in(os.path.join(PKG, step.file))
+        assert hooks.get(step.id) == [step.function], (step.id, hooks.get(step.id))
+    assert len(steps.REGISTRY) == len(steps.STEPS)
+    for group in ("spec", "pd"):
+        assert steps.GROUPS[group] and all(i.startswith(group + ".") for i in steps.GROUPS[group])
+
+
+def test_ids_are_checked_and_off_means_an_empty_dict(tiny_llama_dir, monkeypatch):
+    with pytest.raises(ValueError, match="valid ids: spec.setup, spec.load, spec.1"):
+        steps.parse("spec.4,spec.99")
+    with pytest.raises(ValueError, match="pd.lookup"):
+        tiny_llm(tiny_llama_dir, break_at=["nope"])
+    assert steps.parse("pd.lookup, spec.4") == ("spec.4", "pd.lookup")   # registry order
+    assert steps.parse("all") == tuple(steps.REGISTRY)
+    monkeypatch.delenv("MINIVLLM_BREAK", raising=False)
+    assert steps.configure() == () and steps.BREAKS == {}
+    monkeypatch.setenv("MINIVLLM_BREAK", "spec")
+    assert steps.configure() == steps.GROUPS["spec"]
+    assert steps.configure([]) == () and not steps.BREAKS    # break_at wins over the environment
+
+
+def test_outputs_identical_with_breakpoints_on_and_off(tiny_llama_dir, monkeypatch):
+    monkeypatch.delenv("MINIVLLM_BREAK", raising=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=10, seed=3, ignore_eos=True)
+    off = [generate_tokens(tiny_llm(tiny_llama_dir, NGRAM), PROMPTS, p) for p in (greedy, seeded)]
+    seen = []
+    monkeypatch.setattr(sys, "breakpointhook", lambda *a, **k: seen.append(steps.current.id))
+    monkeypatch.setattr(steps, "quiet", True)
+    on = [generate_tokens(tiny_llm(tiny_llama_dir, NGRAM, break_at=["all"]), PROMPTS, p)
+          for p in (greedy,)]
+    on.append(generate_tokens(tiny_llm(tiny_llama_dir, NGRAM, break_at=["all"]), PROMPTS, seeded))
+    assert on == off
+    # Greedy on this model repeats itself: every spec step is reached, once per LLM.
+    assert seen[:len(steps.GROUPS["spec"])] == list(steps.GROUPS["spec"])
+    steps.disarm()
+
+
+SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from conftest import tiny_llm, generate_tokens
+from minivllm import SamplingParams
+llm = tiny_llm({model!r}, {spec!r})
+print("OUT", generate_tokens(llm, {prompts!r}, SamplingParams(temperature=0.0, max_tokens=8)))
+"""
+
+
+def test_pdb_fed_c_stops_once_per_requested_id(tiny_llama_dir):
+    env = {**os.environ, "MINIVLLM_BREAK": "spec.1,spec.4,spec.7", "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONBREAKPOINT", None)      # the default: pdb.set_trace
+    code = SCRIPT.format(tests=os.path.dirname(__file__), model=tiny_llama_dir, spec=NGRAM,
+                         prompts=PROMPTS)
+    proc = subprocess.run([sys.executable, "-c", code], input="c\n" * 20, capture_output=True,
+                          text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("(Pdb)") == 3, proc.stdout[-2000:]
+    for step_id in ("spec.1", "spec.4", "spec.7"):
+        assert proc.stderr.count(f"minivllm step {step_id}:") == 1, proc.stderr[-2000:]
+    # pdb stops in the engine's own frame, at the hook line's successor in that function.
+    assert "scheduler.py" in proc.stdout and "rejection_sampler.py" in proc.stdout
+    assert "OUT [[" in proc.stdout

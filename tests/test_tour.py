@@ -1,0 +1,64 @@
+"""python -m minivllm.tour spec|pd: stops in the article's order, at the documented functions, with
+the live values printed (tiny model, few tokens)."""
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from minivllm import steps, tour
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _check_stops(stops, expected_ids):
+    assert [s.id for s in stops] == list(expected_ids)
+    for s in stops:
+        step = steps.REGISTRY[s.id]
+        assert s.function == step.function, s
+        assert s.file.endswith(os.path.join("minivllm", step.file)), s
+
+
+def test_tour_spec_in_order_at_the_documented_functions(tiny_llama_dir):
+    buf = io.StringIO()
+    t = tour.run(["spec", "--model", tiny_llama_dir, "--no-wait", "--temperature", "0",
+                  "--max-tokens", "8"], out=buf)
+    _check_stops(t.stops, tour.TOURS["spec"])
+    out = buf.getvalue()
+    assert "<error" not in out, out
+    for needle in ("request.spec_token_ids = [", "token_budget = ", "new_blocks.get_block_ids() = ",
+                   "logits_indices = [", "p_target=", "tour done: 10 stops"):
+        assert needle in out, needle
+    assert re.search(r"where: +minivllm/core/sched/scheduler.py:\d+ +in Scheduler.schedule", out)
+    assert steps.BREAKS == {}                               # the tour disarms what it armed
+
+
+def test_tour_cli_pdb_fed_c_stops_once_per_step(tiny_llama_dir):
+    proc = subprocess.run(
+        [sys.executable, "-m", "minivllm.tour", "spec", "--model", tiny_llama_dir, "--pdb",
+         "--temperature", "0", "--max-tokens", "8"], input="c\n" * 30,
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ids = [ln for ln in proc.stdout.splitlines() if ln in steps.REGISTRY]   # each id on its own line
+    assert ids == list(tour.TOURS["spec"])
+    assert proc.stdout.count("(Pdb)") == len(tour.TOURS["spec"]), proc.stdout[-3000:]
+    assert "-> scheduled_running_reqs.append(request)" in proc.stdout   # pdb in the engine's frame
+
+
+def test_tour_pd_in_order_with_a_real_transfer(tiny_llama_dir):
+    buf = io.StringIO()
+    t = tour.run(["pd", "--model", tiny_llama_dir, "--no-wait", "--max-tokens", "4"], out=buf)
+    out = buf.getvalue()
+    order = tour.TOURS["pd"]
+    assert [s.instance for s in t.stops] == ["prefill"] * len(order) + ["decode"] * len(order)
+    _check_stops(t.stops[:len(order)], order)
+    _check_stops(t.stops[len(order):], order)
+    assert "<error" not in out, out
+    prefill, decode = out.split("(decode instance)", 1)
+    # The 40-token prompt: P stores 32 tokens (two 16-token blocks), D finds them all.
+    assert "num_external_computed_tokens = 0" in prefill
+    assert "num_external_computed_tokens = 32" in decode
+    assert "'is_store': True" in prefill and "'is_store': False" in decode
+    assert re.search(r"/: \d+ files \(", prefill)          # pd.exit lists the files written

@@ -76,6 +76,7 @@ class MergedColumnParallelLinear(Linear):
         offset, size = self.shard_range(shard_id)
         return param.narrow(0, offset, size)
 
+    @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: ShardId) -> None:
         target = self.shard(param, shard_id)

@@ -3,7 +3,8 @@
 For each (dtype, workload) cell (``bench throughput``'s workloads: 1 request of 64 tokens, 32 mixed
 requests), in its own subprocess:
 
-1. an untimed ``generate`` gives tokens/s and the median step (only ``EngineCore.step`` is timed);
+1. an untimed ``generate`` gives tokens/s and the median step (only ``EngineCore.step`` is timed;
+   ``--skip-untimed`` takes both from the timed run instead);
 2. a second ``generate`` with timers wrapped around the engine's own pieces gives the breakdown,
    per step: projections (every ``Linear`` of the target but the LM head), LM head, attention
    (``Attention``: ``reshape_and_cache`` + paged attention), norm and rotary (``RMSNorm``,
@@ -141,38 +142,46 @@ def copy_bandwidth(nbytes: int = 256 << 20, rounds: int = 5) -> float:
     return 2 * nbytes / best
 
 
-def run_cell(dtype: str, workload: str, single_tokens: int, **llm_kwargs) -> dict:
-    """One cell; ``llm_kwargs`` go to ``LLM`` (tests pass a tiny model)."""
+def run_cell(dtype: str, workload: str, single_tokens: int, batch_max_tokens: int = 0,
+             untimed: bool = True, **llm_kwargs) -> dict:
+    """One cell; ``llm_kwargs`` go to ``LLM`` (tests pass a tiny model). ``batch_max_tokens``
+    caps the 32 requests' output lengths (0: ``bench throughput``'s 16-96)."""
     import torch
 
     from minivllm import LLM, SamplingParams
     from minivllm.bench.throughput import BASE_TEXT, QUESTIONS, make_workload
     work = [(BASE_TEXT * 2 + QUESTIONS[0], single_tokens)] if workload == "single" \
-        else make_workload(32)
+        else [(p, min(n, batch_max_tokens or n)) for p, n in make_workload(32)]
     llm = LLM(dtype=dtype, **llm_kwargs)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
     prompts = [p for p, _ in work]
     llm.generate(prompts[:1], [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)],
                  use_tqdm=False)   # warm-up
     core = llm.llm_engine.engine_core
-    plain_step, step_times = core.step, []
 
-    def timed_step():
+    def timed_generate():
+        plain_step, step_times = core.step, []
+
+        def step():
+            t0 = time.perf_counter()
+            out = plain_step()
+            step_times.append(time.perf_counter() - t0)
+            return out
+        core.step = step
         t0 = time.perf_counter()
-        out = plain_step()
-        step_times.append(time.perf_counter() - t0)
-        return out
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        core.step = plain_step
+        return sum(len(o.outputs[0].token_ids) for o in outs), elapsed, sorted(step_times)
 
-    core.step = timed_step
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    core.step = plain_step
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    if untimed:   # tokens/s and the median step with no timer but the step's own
+        tokens, elapsed, step_times = timed_generate()
     timers = StepTimers()
     install(llm, timers)
-    llm.generate(prompts, params, use_tqdm=False)
-    steps = len(step_times)
+    t_tokens, t_elapsed, t_steps = timed_generate()
+    if not untimed:
+        tokens, elapsed, step_times = t_tokens, t_elapsed, t_steps
+    steps = len(t_steps)
     total = timers.inclusive["step"]
     timers.total.pop("step")
     per_step = {c: timers.total.get(c, 0.0) / steps * 1e3 for c in CATEGORIES if c != "other"}
@@ -180,20 +189,19 @@ def run_cell(dtype: str, workload: str, single_tokens: int, **llm_kwargs) -> dic
     model = core.worker.model_runner.model
     bw = copy_bandwidth()
     wbytes = weight_bytes_per_token(model)
-    step_times.sort()
     return {"dtype": dtype, "workload": workload, "requests": len(work), "tokens": tokens,
             "seconds": elapsed, "tokens_per_s": tokens / elapsed, "steps": steps,
-            "median_step_ms": step_times[steps // 2] * 1e3,
-            "timed_step_ms": total / steps * 1e3, "breakdown_ms": per_step,
+            "median_step_ms": step_times[len(step_times) // 2] * 1e3,
+            "timed_step_ms": total / steps * 1e3, "breakdown_ms": per_step, "untimed": untimed,
             "weight_bytes": wbytes, "copy_bw": bw, "floor_ms": wbytes / bw * 1e3,
             "threads": torch.get_num_threads()}
 
 
-def _run_in(tree: str, cell: str, single_tokens: int) -> dict:
+def _run_in(tree: str, cell: str, cell_args: list[str]) -> dict:
     env = dict(os.environ, PYTHONPATH=tree)
     # This file is run by path, so a tree without it (the base) profiles its own engine.
-    code = ("import runpy, sys; sys.argv = ['profile', '--cell', %r, '--single-tokens', '%d']; "
-            "runpy.run_path(%r, run_name='__main__')" % (cell, single_tokens, os.path.abspath(__file__)))
+    code = ("import runpy, sys; sys.argv = ['profile', '--cell', %r] + %r; "
+            "runpy.run_path(%r, run_name='__main__')" % (cell, cell_args, os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           cwd=tree, timeout=900)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -213,8 +221,8 @@ def print_table(results: dict, labels: list[str]) -> None:
     print("-" * len(head))
     for cat in CATEGORIES:
         print(f"{cat:22}" + "".join(f"{results[c]['breakdown_ms'][cat]:17.2f}" for c in cols))
-    for key, fmt in (("timed_step_ms", "step (timed run)"), ("median_step_ms", "median step, untimed"),
-                     ("steps", "steps"), ("tokens_per_s", "tokens/s, untimed")):
+    for key, fmt in (("timed_step_ms", "step (timed run)"), ("median_step_ms", "median step"),
+                     ("steps", "steps"), ("tokens_per_s", "tokens/s")):
         print(f"{fmt:22}" + "".join(f"{results[c][key]:17.1f}" for c in cols))
     print()
     for lab in labels:
@@ -232,13 +240,18 @@ def main(argv=None) -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--workloads", default="single,batch32")
     ap.add_argument("--single-tokens", type=int, default=64)
+    ap.add_argument("--batch-max-tokens", type=int, default=0,
+                    help="cap the 32 requests' output lengths (default: 16-96 as bench throughput)")
+    ap.add_argument("--skip-untimed", action="store_true",
+                    help="one generate per cell: tokens/s from the timed run (faster, ~1%% slower)")
     ap.add_argument("--base", help="another checkout (e.g. main) to profile, alternating")
     ap.add_argument("--json", help="write every cell's numbers here")
     ap.add_argument("--cell", help=argparse.SUPPRESS)   # internal: one cell, print JSON
     args = ap.parse_args(argv)
     if args.cell:
         dtype, workload = args.cell.split(":")
-        print("RESULT " + json.dumps(run_cell(dtype, workload, args.single_tokens)))
+        print("RESULT " + json.dumps(run_cell(dtype, workload, args.single_tokens,
+                                              args.batch_max_tokens, not args.skip_untimed)))
         return
     if args.base and not os.path.isdir(os.path.join(args.base, "minivllm")):
         raise SystemExit(f"--base {args.base!r} is not a minivllm checkout (no minivllm/ in it).")
@@ -248,7 +261,9 @@ def main(argv=None) -> None:
     jobs = [(lab, tree, d, w) for d, w in cells for lab, tree in trees]
     for i, (lab, tree, d, w) in enumerate(jobs, 1):
         print(f"[{i}/{len(jobs)}] {lab} {d} {w} ...", flush=True)
-        results[(lab, d, w)] = _run_in(tree, f"{d}:{w}", args.single_tokens)
+        cell_args = ["--single-tokens", str(args.single_tokens), "--batch-max-tokens",
+                     str(args.batch_max_tokens)] + (["--skip-untimed"] if args.skip_untimed else [])
+        results[(lab, d, w)] = _run_in(tree, f"{d}:{w}", cell_args)
     print()
     print_table(results, [lab for lab, _ in trees])
     if args.json:

@@ -198,8 +198,11 @@ def test_loading_vllm_weight_names(target, heads, tmp_path):
         w = {k.replace("midlayer.", "layers.0."): v for k, v in w.items()}
         assert torch.equal(draft.model.fc.weight, w["fc.weight"])
         layer = draft.model.layers[0]
-        assert torch.equal(layer.self_attn.k_proj.weight, w["layers.0.self_attn.k_proj.weight"])
-        assert torch.equal(layer.mlp.up_proj.weight, w["layers.0.mlp.up_proj.weight"])
+        # Stacked at load (vLLM's stacked_params_mapping): k after q in qkv_proj, up after gate.
+        qkv, q, kv = layer.self_attn.qkv_proj, layer.self_attn.q_size, layer.self_attn.kv_size
+        assert torch.equal(qkv.weight[q:q + kv], w["layers.0.self_attn.k_proj.weight"])
+        inter = layer.mlp.down_proj.in_features
+        assert torch.equal(layer.mlp.gate_up_proj.weight[inter:], w["layers.0.mlp.up_proj.weight"])
         assert draft.model.embed_tokens is tgt.model.embed_tokens
         if method == "eagle":
             assert draft.lm_head is tgt.lm_head

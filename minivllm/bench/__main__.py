@@ -1,11 +1,13 @@
-"""``python -m minivllm.bench {throughput,spec,pd,gpu,serve} [options] [--markdown[=SECTION]]``:
-benchmarks that print side-by-side tables; ``--markdown`` also writes them into RESULTS.md."""
+"""``python -m minivllm.bench {throughput,spec,pd,gpu,serve,profile,roofline} [options]
+[--markdown[=SECTION]]``: benchmarks that print side-by-side tables; ``--markdown`` also writes
+them into RESULTS.md."""
 import importlib
 import sys
 
 BENCHMARKS = {"throughput": "minivllm.bench.throughput", "spec": "minivllm.bench.spec",
               "pd": "minivllm.bench.pd", "gpu": "minivllm.bench.gpu",
-              "serve": "minivllm.bench.serve"}
+              "serve": "minivllm.bench.serve", "profile": "minivllm.bench.profile",
+              "roofline": "minivllm.bench.roofline"}
 
 
 def main() -> None:

@@ -1,44 +1,108 @@
-"""The linear layer every model projection uses, mirroring the role of vLLM's
-``UnquantizedLinearMethod.apply`` (vllm/model_executor/layers/linear.py): one place that decides how
-``y = x @ W.T + b`` runs on the device at hand.
+"""The linear layers every model projection uses, mirroring vllm/model_executor/layers/linear.py:
+``UnquantizedLinearMethod.apply`` (one place that decides how ``y = x @ W.T + b`` runs) and the
+fused layers ``MergedColumnParallelLinear`` (``gate_up_proj``) and ``QKVParallelLinear``
+(``qkv_proj``), whose weight is the checkpoint's separate matrices stacked along the output dim.
 
-On CUDA, and for bfloat16, it is plain ``F.linear``. For float32 on the CPU, ``F.linear`` with a
-few rows (spec-decode verification: k + 1 per request; a decode batch: one per request) takes a path
-that is up to 2x slower than computing ``W @ x.T`` as a GEMM, and a single row times a wide matrix
-such as the 49152 x 576 LM head is faster as a two-row GEMM. Measured on a 2-core x86 CPU with
-PyTorch 2.13 on SmolLM2-135M: n-gram spec decoding of one request 34 -> 50 tokens/s, 32 concurrent
-requests 179 -> 202 tokens/s. Same math, another summation order: results agree with ``F.linear``
-to float32 rounding.
+On the CPU, a product with few rows (a decode batch: one row per request; spec-decode
+verification: k + 1 per request) can run several ways at very different speeds; which is fastest
+is measured per weight shape and row count (``kernel_choice``), not assumed. Many rows (prefill),
+CUDA, and non-2-D inputs take ``F.linear``. All routes agree with ``F.linear`` to float32 rounding.
 """
 from __future__ import annotations
+
+from typing import Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Below this many rows the GEMM route wins on the CPU; prefill chunks are left to F.linear.
-_GEMM_MAX_ROWS = 256
-# A single row times a matrix this large (elements) is padded to two rows.
-_PAD_MIN_NUMEL = 1 << 22
+from minivllm.model_executor.kernel_choice import CANDIDATES, MAX_TUNED_ROWS, choose
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           route: str | None = None) -> torch.Tensor:
     """``x [m, in]``, ``weight [out, in]``, ``bias [out]`` -> ``[m, out]``."""
-    m = x.shape[0]
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
-            or m > _GEMM_MAX_ROWS or m == 0):
+    m = x.shape[0] if x.dim() == 2 else 0
+    if x.device.type != "cpu" or not 1 <= m <= MAX_TUNED_ROWS:
         return F.linear(x, weight, bias)
-    if m == 1:
-        if weight.numel() < _PAD_MIN_NUMEL:
-            return F.linear(x, weight, bias)
-        out = (weight @ torch.cat([x, x]).T)[:, :1].T.contiguous()
-    else:
-        out = (weight @ x.T).T.contiguous()
+    route = route or choose(weight, m)
+    if route == "f_linear":
+        return F.linear(x, weight, bias)
+    out = CANDIDATES[route](x, weight)
     return out if bias is None else out + bias
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same names) that runs through :func:`linear`."""
+    """``nn.Linear`` (same parameters, same names) that runs through :func:`linear`, remembering
+    the measured route per row count so the forward pays one list lookup."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._route_by_rows: list = [None] * (MAX_TUNED_ROWS + 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        m = x.shape[0] if x.dim() == 2 else 0
+        if x.device.type != "cpu" or not 1 <= m <= MAX_TUNED_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        route = self._route_by_rows[m]
+        if route is None:
+            route = self._route_by_rows[m] = choose(self.weight, m)
+        return linear(x, self.weight, self.bias, route)
+
+
+ShardId = Union[int, str]
+
+
+class MergedColumnParallelLinear(Linear):
+    """Several projections of the same input in one matrix: ``weight [sum(output_sizes), in]``.
+
+    vLLM's ``gate_up_proj`` (``output_sizes = [intermediate, intermediate]``, shard ids 0 and 1).
+    One device here, so nothing is split across ranks; the name is vLLM's for a reader moving on.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(input_size, sum(output_sizes), bias=bias)
+        self.output_sizes = list(output_sizes)
+
+    def shard_range(self, shard_id: ShardId) -> tuple[int, int]:
+        """``(offset, size)`` of one shard's rows in the stacked weight."""
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard_id must be in 0..{len(self.output_sizes) - 1}, got {shard_id!r}.")
+        return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
+
+    def shard(self, param: torch.Tensor, shard_id: ShardId) -> torch.Tensor:
+        """A view of ``param`` (weight or bias) holding one checkpoint tensor: copying into it is
+        vLLM's ``weight_loader(param, loaded_weight, shard_id)``."""
+        offset, size = self.shard_range(shard_id)
+        return param.narrow(0, offset, size)
+
+    @torch.no_grad()
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: ShardId) -> None:
+        target = self.shard(param, shard_id)
+        if target.shape != loaded_weight.shape:
+            raise ValueError(f"shard {shard_id!r} of a {tuple(param.shape)} stacked parameter has "
+                             f"shape {tuple(target.shape)}, the checkpoint tensor "
+                             f"{tuple(loaded_weight.shape)}.")
+        target.copy_(loaded_weight)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``[m, sum(output_sizes)]`` -> one ``[m, size]`` view per shard."""
+        return y.split(self.output_sizes, dim=-1)
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """vLLM's ``qkv_proj``: ``weight [(num_heads + 2 * num_kv_heads) * head_size, hidden]``, rows in
+    the order q, k, v (shard ids ``"q"``, ``"k"``, ``"v"``)."""
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: int, bias: bool = False) -> None:
+        self.q_size = total_num_heads * head_size
+        self.kv_size = total_num_kv_heads * head_size
+        super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=bias)
+
+    def shard_range(self, shard_id: ShardId) -> tuple[int, int]:
+        ids = ("q", "k", "v")
+        if shard_id not in ids:
+            raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}.")
+        return super().shard_range(ids.index(shard_id))

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from minivllm.config import SpeculativeConfig
-from minivllm.model_executor.models.llama import default_eagle3_aux_layers, valid_eagle3_aux_layers
+from minivllm.model_executor.models.llama import (checkpoint_parameters, default_eagle3_aux_layers,
+                                                   valid_eagle3_aux_layers)
 
 HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
 DEFAULT_MODEL_HEADS = "smollm2-135m-instruct"
@@ -127,7 +128,7 @@ def expected_tensors(method: str, model: nn.Module, config: dict[str, Any],
     """Checkpoint name -> parameter name (or ``"d2t"`` / ``"token_map"``) for every tensor read.
 
     Raises ``ValueError`` for an unexpected tensor (a head of another method?) or a missing one."""
-    params = dict(model.named_parameters())
+    params = checkpoint_parameters(model)
     names: dict[str, str] = {}
     for ckpt in shapes:
         param = type(model).checkpoint_to_param_name(ckpt)
@@ -162,7 +163,7 @@ def _param_to_ckpt(method: str, param: str) -> str:
 
 def check_shapes(model: nn.Module, names: dict[str, str], shapes: dict[str, tuple[int, ...]],
                  method: str) -> None:
-    params = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    params = {name: tuple(p.shape) for name, p in checkpoint_parameters(model).items()}
     if method == "eagle3":
         params["d2t"] = (model.draft_vocab_size,)
     if method == "medusa":
@@ -201,7 +202,7 @@ def load_head(path: str, method: str, target: nn.Module, k: int, dtype: torch.dt
     names = expected_tensors(method, model, config, shapes)
     check_shapes(model, names, shapes, method)
     model = model.to(dtype=dtype).to_empty(device=torch.device(device))
-    params = dict(model.named_parameters())
+    params = checkpoint_parameters(model)
     with torch.no_grad():
         for ckpt, tensor in safetensors_weights_iterator(path):
             param = names.get(ckpt)

@@ -30,9 +30,8 @@ def dense_attention(attn_module, positions: torch.Tensor, x: torch.Tensor) -> to
     b, t, _ = x.shape
     nh, nkv, hd = attn_module.num_heads, attn_module.num_kv_heads, attn_module.head_dim
     flat = x.reshape(b * t, -1)
-    q, k = attn_module.rotary_emb(positions.reshape(-1), attn_module.q_proj(flat),
-                                  attn_module.k_proj(flat))
-    v = attn_module.v_proj(flat)
+    q, k, v = attn_module.qkv_proj.split(attn_module.qkv_proj(flat))
+    q, k = attn_module.rotary_emb(positions.reshape(-1), q, k)
     q = q.view(b, t, nh, hd).transpose(1, 2)
     k = k.view(b, t, nkv, hd).transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
     v = v.view(b, t, nkv, hd).transpose(1, 2).repeat_interleave(nh // nkv, dim=1)

@@ -9,9 +9,10 @@ Shapes inside a decoder layer: hidden ``[num_tokens, hidden_size]``; q ``[num_to
 head_dim]``; k, v ``[num_tokens, num_kv_heads * head_dim]`` (grouped-query attention when
 ``num_kv_heads < num_heads``); logits ``[num_tokens, vocab_size]`` float32.
 
-Differences from vLLM, on purpose: one device, so no tensor-parallel linears; q/k/v and gate/up stay
-separate ``nn.Linear`` modules (vLLM fuses them into ``qkv_proj`` and ``gate_up_proj``), so that
-parameter names equal Hugging Face's and loading is a name-for-name copy.
+As in vLLM, q/k/v are one ``qkv_proj`` and gate/up one ``gate_up_proj`` (one matrix product each
+instead of three and two); the checkpoint keeps Hugging Face's separate tensors, which
+``load_weights`` stacks through ``stacked_params_mapping``. One device, so the "parallel" linears
+are not split across ranks.
 """
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ import math
 from typing import Any, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention.layer import Attention
-from minivllm.model_executor.linear import Linear
+from minivllm.model_executor.activation import SiluAndMul
+from minivllm.model_executor.linear import Linear, MergedColumnParallelLinear, QKVParallelLinear
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -125,13 +126,12 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"Llama MLP supports hidden_act='silu' only, got {hidden_act!r}.")
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # SwiGLU; vLLM runs gate_up_proj then SiluAndMul.
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
@@ -147,17 +147,17 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False))
-        self.q_proj = Linear(hidden, self.q_size, bias=bias)
-        self.k_proj = Linear(hidden, self.kv_size, bias=bias)
-        self.v_proj = Linear(hidden, self.kv_size, bias=bias)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads,
+                                          bias=bias)
         self.o_proj = Linear(self.q_size, hidden, bias=bias)
         self.rotary_emb = RotaryEmbedding(self.head_dim, *rope_config(config))
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                               self.num_kv_heads, prefix=f"{prefix}.attn", backend=attention_backend)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k = self.rotary_emb(positions, self.q_proj(hidden_states), self.k_proj(hidden_states))
-        return self.o_proj(self.attn(q, k, self.v_proj(hidden_states)))
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -208,6 +208,34 @@ class LlamaModel(nn.Module):
         if aux_hidden_states:
             return hidden_states, aux_hidden_states
         return hidden_states
+
+
+# vLLM's stacked_params_mapping: (fused parameter, checkpoint name, shard id).
+stacked_params_mapping = [
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+]
+
+
+def checkpoint_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Checkpoint tensor name -> the tensor it is copied into: the parameter itself, or, for a
+    fused projection, a view of its shard's rows (so ``q_proj.weight`` names rows of
+    ``qkv_proj.weight``). Loaders copy name for name into this; it works on the meta device too."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name) if module_name else model
+        if not isinstance(module, MergedColumnParallelLinear):
+            out[name] = param
+            continue
+        for fused, shard_name, shard_id in stacked_params_mapping:
+            if ("." + module_name).endswith(fused):
+                prefix = module_name[: len(module_name) - len(fused) + 1]
+                out[f"{prefix}{shard_name[1:]}.{leaf}"] = module.shard(param, shard_id)
+    return out
 
 
 def default_eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -272,16 +300,18 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy Hugging Face-named tensors into the parameters; returns the names loaded.
+        """Copy Hugging Face-named tensors into the parameters; returns the checkpoint names loaded.
 
-        Skipped: decoder layers at or past ``num_layers`` (self-draft), rotary ``inv_freq`` buffers
+        vLLM's loop finds each tensor's fused parameter in ``stacked_params_mapping`` and calls its
+        ``weight_loader(param, tensor, shard_id)``; ``checkpoint_parameters`` does that lookup once,
+        up front, as shard views. Skipped: decoder layers at or past ``num_layers`` (self-draft), rotary ``inv_freq`` buffers
         that old checkpoints store, and ``lm_head.weight`` when it is tied to the embeddings.
         """
         # Materialising from the meta device (to_empty) gives each module its own tensor: re-tie
         # first, so that a tied lm_head is listed once, as model.embed_tokens.weight.
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        params = dict(self.named_parameters())
+        params = checkpoint_parameters(self)
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from minivllm.attention.layer import Attention
-from minivllm.model_executor.linear import Linear
+from minivllm.model_executor.linear import Linear, QKVParallelLinear
 from minivllm.model_executor.models.llama import LlamaAttention, LlamaMLP, RMSNorm
 
 
@@ -33,9 +33,8 @@ class Eagle3DecoderLayer(nn.Module):
         # q/k/v read the concatenation [normed embeds, normed hidden]: 2H inputs.
         bias = bool(getattr(config, "attention_bias", False))
         attn = self.self_attn
-        attn.q_proj = Linear(2 * h, attn.q_size, bias=bias)
-        attn.k_proj = Linear(2 * h, attn.kv_size, bias=bias)
-        attn.v_proj = Linear(2 * h, attn.kv_size, bias=bias)
+        attn.qkv_proj = QKVParallelLinear(2 * h, attn.head_dim, attn.num_heads, attn.num_kv_heads,
+                                          bias=bias)
         self.mlp = LlamaMLP(h, config.intermediate_size, bool(getattr(config, "mlp_bias", False)),
                             config.hidden_act)
         self.input_layernorm = RMSNorm(h, eps)

@@ -1,0 +1,159 @@
+"""Pick, by timing on the machine at hand, how a few-row ``y = x @ W.T`` runs; the role of vLLM's
+autotuned kernel configs (vllm/model_executor/layers/fused_moe/configs, Triton's ``autotune``).
+
+The candidates compute the same product with another memory layout or summation order, so they
+agree with ``F.linear`` to float32 rounding:
+
+- ``f_linear``: ``F.linear(x, W)``, the default;
+- ``gemm_wx``: ``(W @ x.T).T`` (the weight as the left operand: another GEMM kernel of the BLAS);
+- ``pad2``: one row duplicated into a two-row ``gemm_wx`` (only for 1 row: 1-row GEMV paths can be
+  slow for a wide matrix such as a 49152 x 576 LM head).
+
+``x @ W.T`` was a third candidate; measured here it is ``F.linear`` within noise for every shape of
+SmolLM2 (F.linear without bias *is* that matmul on the CPU), so it was dropped.
+
+Which one wins depends on the CPU, the BLAS, the dtype, the weight's shape and the row count, so
+it is measured once per ``(device, dtype, out, in, row bucket)`` (rows rounded up to a power of
+two, up to ``MAX_TUNED_ROWS``; more rows always take ``f_linear``) and cached for the process. A
+candidate replaces ``f_linear`` only if it is at least ``MIN_GAIN`` faster: on a busy machine most
+shapes differ by noise, and then the default (and its summation order) is kept.
+``MINIVLLM_LINEAR_ROUTE=<candidate>`` fixes the choice (for tests and for comparisons).
+
+Only the CPU is tuned: on CUDA ``F.linear`` is cuBLAS with its own heuristics.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("minivllm.kernel_choice")
+
+MAX_TUNED_ROWS = 32
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
+MIN_GAIN = 0.15   # a candidate must be this much faster than f_linear to be chosen
+
+
+def _f_linear(x, w):
+    return F.linear(x, w)
+
+
+def _gemm_wx(x, w):
+    return (w @ x.T).T.contiguous()
+
+
+def _pad2(x, w):
+    if x.shape[0] != 1:
+        return _gemm_wx(x, w)
+    return (w @ torch.cat([x, x]).T)[:, :1].T.contiguous()
+
+
+CANDIDATES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "f_linear": _f_linear, "gemm_wx": _gemm_wx, "pad2": _pad2}
+
+ShapeKey = tuple[str, str, int, int, int]   # (device type, dtype, out, in, row bucket)
+
+
+def row_bucket(m: int) -> int:
+    """Smallest power of two >= m (m <= MAX_TUNED_ROWS)."""
+    return 1 << (m - 1).bit_length()
+
+
+@dataclass
+class KernelChoices:
+    """The process-wide cache: shape key -> chosen candidate, with the timings that chose it."""
+    chosen: dict[ShapeKey, str] = field(default_factory=dict)
+    timings_us: dict[ShapeKey, dict[str, float]] = field(default_factory=dict)
+    tuning_seconds: float = 0.0
+
+    def summary(self) -> list[str]:
+        """One line per weight shape: ``'49152x576 float32: 1:matmul 2:gemm_wx ...'``."""
+        by_shape: dict[tuple, list[str]] = {}
+        for (dev, dt, o, i, m), name in sorted(self.chosen.items()):
+            by_shape.setdefault((dev, dt, o, i), []).append(f"{m}:{name}")
+        return [f"{o}x{i} {dt} on {dev}: " + " ".join(v) for (dev, dt, o, i), v in by_shape.items()]
+
+
+CHOICES = KernelChoices()
+
+
+def forced_route() -> Optional[str]:
+    route = os.environ.get("MINIVLLM_LINEAR_ROUTE")
+    if route and route not in CANDIDATES:
+        raise ValueError(f"MINIVLLM_LINEAR_ROUTE={route!r}: use one of {sorted(CANDIDATES)}.")
+    return route or None
+
+
+def _time_candidates(x: torch.Tensor, w: torch.Tensor, rounds: int = 3) -> dict[str, float]:
+    """Microseconds per call (best of ``rounds``), candidates interleaved so drift hits all alike."""
+    names = [n for n in CANDIDATES if n != "pad2" or x.shape[0] == 1]
+    best = {name: float("inf") for name in names}
+    # A sample should last ~1 ms for the timer: tiny shapes repeat inside one sample.
+    t0 = time.perf_counter()
+    _f_linear(x, w)
+    inner = max(1, min(50, int(1e-3 / max(time.perf_counter() - t0, 1e-7))))
+    for _ in range(rounds):
+        for name in names:
+            fn = CANDIDATES[name]
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn(x, w)
+            best[name] = min(best[name], (time.perf_counter() - t0) / inner * 1e6)
+    return best
+
+
+def choose(weight: torch.Tensor, m: int) -> str:
+    """The route for ``m`` rows (1 <= m <= MAX_TUNED_ROWS) times ``weight``; timed on first use."""
+    forced = forced_route()
+    if forced:
+        return forced
+    key = (weight.device.type, str(weight.dtype).replace("torch.", ""), weight.shape[0],
+           weight.shape[1], row_bucket(m))
+    name = CHOICES.chosen.get(key)
+    if name is None:
+        name = _tune(key, weight)
+    return name
+
+
+@torch.no_grad()
+def _tune(key: ShapeKey, weight: torch.Tensor) -> str:
+    t0 = time.perf_counter()
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(key[4], weight.shape[1], generator=g, device=weight.device).to(weight.dtype)
+    timings = _time_candidates(x, weight)
+    name = min(timings, key=timings.get)
+    if timings[name] > (1 - MIN_GAIN) * timings["f_linear"]:
+        name = "f_linear"
+    CHOICES.chosen[key], CHOICES.timings_us[key] = name, timings
+    CHOICES.tuning_seconds += time.perf_counter() - t0
+    logger.debug("linear %s: %s (%s)", key, name,
+                 ", ".join(f"{k} {v:.0f} us" for k, v in timings.items()))
+    return name
+
+
+def tune_model(model: torch.nn.Module) -> KernelChoices:
+    """Time every distinct CPU weight shape of ``model``'s ``Linear`` layers at every row bucket,
+    once per process (load time), so no forward pays for it; logs one line per shape."""
+    from minivllm.model_executor.linear import Linear
+    if forced_route():
+        return CHOICES
+    t0 = time.perf_counter()
+    seen = set()
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if not isinstance(mod, Linear) or w is None or w.device.type != "cpu" or w.is_meta:
+            continue
+        if (tuple(w.shape), w.dtype) in seen:
+            continue
+        seen.add((tuple(w.shape), w.dtype))
+        for m in ROW_BUCKETS:
+            choose(w, m)
+    if seen:
+        logger.info("linear kernel choice (%.2f s this call): %s", time.perf_counter() - t0,
+                    "; ".join(CHOICES.summary()))
+    return CHOICES

@@ -102,8 +102,8 @@ STEPS: tuple[Step, ...] = (
     Step("pd.layer_save", "Layer by layer: after a layer's attention, save_kv_layer.",
          "Attention.forward", "attention/layer.py", "self.layer_name, tuple(md.slot_mapping.shape)"),
     Step("pd.exit", "Context manager, on exit: wait_for_save (prefill blocks until its KV is "
-         "uploaded; decode: no-op).",
-         "_get_kv_connector_output", "distributed/kv_transfer/__init__.py",
+         "uploaded; decode: no-op). With spec decode it runs after the drafter (defer_finalize).",
+         "finalize_kv_connector", "distributed/kv_transfer/__init__.py",
          "type(connector).__name__, connector.role"),
     Step("pd.async_wait", "An asynchronous load starts: the request waits in "
          "WAITING_FOR_REMOTE_KVS, blocks allocated, while the worker fetches its KV.",

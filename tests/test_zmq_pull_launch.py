@@ -87,3 +87,30 @@ def test_pull_cluster_equals_one_instance(cluster, tiny_chat_dir):
         time.sleep(0.2)
     assert metric(p, "vllm:kv_cache_usage_perc") == 0
     assert metric(p, "minivllm:kv_connector_worker_num_leases_expired_total") == 0
+
+
+def test_fail_policy_server_answers_an_error(tiny_chat_dir, tmp_path):
+    """A decode server with kv_load_failure_policy="fail" whose P is gone: HTTP 500 for the
+    request (plain and streamed), no hang, and the server keeps serving."""
+    from server_utils import start_server, stop
+    kv = {"kv_connector": "ZmqPullConnector", "kv_role": "kv_consumer",
+          "kv_load_failure_policy": "fail", "kv_connector_extra_config": {"timeout_s": 1.0}}
+    url, proc = start_server(["--model", tiny_chat_dir, "--max-model-len", "512",
+                              "--kv-transfer-config", json.dumps(kv)], str(tmp_path / "d.log"))
+    try:
+        dead = {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": list(range(1, 40)), "remote_engine_id": "gone",
+                "remote_request_id": "x", "remote_host": "127.0.0.1", "remote_port": free_port()}
+        body = {"model": tiny_chat_dir, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
+                "kv_transfer_params": dead}
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "KV" in r.json()["error"]["message"]
+        streamed = httpx.post(url + "/v1/completions", json={**body, "stream": True}, timeout=60).text
+        assert "KV load failed" in streamed and "[DONE]" in streamed
+        assert time.monotonic() - t0 < 30
+        ok = httpx.post(url + "/v1/completions", json={**body, "kv_transfer_params": None}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+        assert 'finished_reason="error"' in httpx.get(url + "/metrics").text
+    finally:
+        stop(proc)

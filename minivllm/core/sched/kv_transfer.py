@@ -13,6 +13,9 @@ leaves ``running`` / ``waiting`` at once, but its blocks and its ``requests`` en
 the request in ``finished_sending`` (P in the pull model: D reads P's blocks after P finished), or
 (b) an asynchronous load still writes into them, until ``finished_recving`` (an abort while
 ``WAITING_FOR_REMOTE_KVS``; the scheduler does this for every connector).
+Step records: ``"delay_free"`` (req_id, reasons, block_ids) when a finished request keeps its
+blocks, ``"delayed_free_done"`` (req_id, reason, block_ids) when they are freed at last, and
+``"kv_load_failed"`` (req_id, policy) when ``kv_load_failure_policy="fail"`` ends a request.
 """
 from __future__ import annotations
 

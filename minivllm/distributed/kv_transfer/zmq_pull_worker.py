@@ -276,7 +276,9 @@ class ZmqPullWorkerMixin:
             recvd, self._recving_done = self._recving_done, set()
             self._cancelled -= recvd
         if sent or recvd:
-            self._record("get_finished", result=(sorted(sent), sorted(recvd)))
+            self._record("get_finished", result={"finished_sending": sorted(sent),
+                                                 "lease_expired": sorted(expired),
+                                                 "finished_recving": sorted(recvd)})
         return sent or None, recvd or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -6,7 +6,9 @@ per request its accepted drafts, then one more token (the *recovered* token at t
 or the *bonus* token when every draft passed), then ``PLACEHOLDER_TOKEN_ID`` (-1).
 
 - ``metadata``: ``SpecDecodeMetadata`` (drafts flattened, ``num_tokens`` of them).
-- ``draft_probs``: ``[num_tokens, vocab]`` float32, or ``None`` for one-hot drafts (n-gram, EAGLE, Medusa).
+- ``draft_probs``: ``[num_tokens, vocab]`` float32, or ``None`` for one-hot drafts (n-gram, Medusa,
+  and EAGLE / the draft model with ``draft_sample_method="greedy"``, the default; "probabilistic"
+  hands the drafter's real distributions, as vLLM 0.32 can).
 - ``target_logits``: ``[num_tokens, vocab]``, row j = the target's logits at draft j's position.
 - ``bonus_token_ids``: ``[batch, 1]``, sampled elsewhere from the logits after the last draft.
 

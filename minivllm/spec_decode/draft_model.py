@@ -175,9 +175,10 @@ class DraftModelProposer(DraftKVCacheMixin):
             self.states[batch.req_ids[row]].record(starts[i], fed)
         drafting = [i for i, n in enumerate(num_drafts) if n > 0]
         last_idx = np.cumsum(lens)[drafting] - 1
+        # (positional: tests wrap _forward with *args)
         tokens, probs = self._forward(batch, rows_a, lens, ends_a, req_idx, positions, input_ids,
-                                      last_idx, connector=getattr(self, "kv_connector", None),
-                                      sample_rows=rows_a[drafting])
+                                      last_idx, getattr(self, "kv_connector", None),
+                                      rows_a[drafting])
 
         # 2. k - 1 single-token passes, each feeding the previous draft.
         drafts: dict[int, list[int]] = {i: [t] for i, t in zip(drafting, tokens)}
@@ -194,7 +195,7 @@ class DraftModelProposer(DraftKVCacheMixin):
                 self.states[batch.req_ids[rows[i]]].record(int(p), np.array([t]))
             ones = np.ones(len(active), dtype=np.int64)
             tokens, probs = self._forward(batch, act_rows, ones, pos + 1, act_rows, pos, ids,
-                                          np.arange(len(active)), sample_rows=act_rows)
+                                          np.arange(len(active)), None, act_rows)
             for r, (i, t) in enumerate(zip(active, tokens)):
                 drafts[i].append(t)
                 if probs is not None:

@@ -65,6 +65,7 @@ class EagleProposer(DraftKVCacheMixin):
         # req_id -> [num_drafts, vocab] float32: the distributions this step's drafts were drawn
         # from (probabilistic only); the runner hands them to the rejection sampler next step.
         self.last_draft_probs: dict[str, torch.Tensor] = {}
+        self._drafting: set[int] = set()   # batch rows that draft this step (own generator)
 
     prepare_inputs = staticmethod(prepare_inputs)
 

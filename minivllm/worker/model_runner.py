@@ -6,6 +6,11 @@ One ``execute_model(scheduler_output)`` call is one engine step on the worker:
 spec step 6) → forward inside ``set_forward_context`` and the KV-connector context manager (P/D
 "context manager") → sampling, or the rejection sampler when drafts were scheduled (spec step 7) →
 bookkeeping → ``propose_draft_token_ids`` (spec step 2).
+
+vLLM today (0.32): Model Runner V1 splits this step in two. ``execute_model`` runs the forward and
+returns ``None``; ``sample_tokens`` samples, rejects and drafts (EAGLE and the draft model propose
+*before* ``_bookkeeping_sync`` there, n-gram and Medusa after it). Model Runner V2
+(v1/worker/gpu/, the GPU default) has none of the article's names except ``take_draft_token_ids``.
 """
 from __future__ import annotations
 

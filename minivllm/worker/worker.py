@@ -2,8 +2,12 @@
 KV cache tensors.
 
 Article steps here: spec decode "Setup": ``init_device()`` creates the drafter and the rejection
-sampler (inside ``ModelRunner.__init__``), ``load_model()`` loads draft weights. P/D "Instantiation":
-``init_device()`` → ``init_worker_distributed_environment()`` creates the worker-role KV connector.
+sampler (inside ``ModelRunner.__init__``), ``load_model()`` loads draft weights. P/D "Instantiation"
+(the article's picture): ``init_device()`` → ``init_worker_distributed_environment()`` creates the
+worker-role KV connector. vLLM today (0.32, v1/worker/gpu_worker.py): the connector needs the
+``kv_cache_config``, so ``initialize_from_config(kv_cache_config)`` creates it, after KV profiling,
+through ``ensure_kv_transfer_initialized(vllm_config, kv_cache_config)``;
+``init_worker_distributed_environment`` there sets up only the encoder-cache transfer.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 def init_worker_distributed_environment(vllm_config: VllmConfig) -> Any:
     """Single process, single device: the only distributed state is the KV connector (role WORKER),
-    or ``None`` without a ``kv_transfer_config``."""
+    or ``None`` without a ``kv_transfer_config``. Created here as in the article; vLLM 0.32 creates
+    it later, in ``Worker.initialize_from_config`` (see the module docstring)."""
     from minivllm.distributed.kv_transfer import ensure_kv_transfer_initialized
     return ensure_kv_transfer_initialized(vllm_config)
 

@@ -45,7 +45,8 @@ __all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorOutput", "KV
 
 def ensure_kv_transfer_initialized(vllm_config: Any, kv_cache_config: Any = None) -> Optional[KVConnectorBase_V1]:
     """The worker-role connector (article step "Instantiation", inside the worker's init device
-    procedure), or ``None`` without a ``kv_transfer_config``."""
+    procedure; vLLM 0.32 calls it from ``Worker.initialize_from_config`` with the
+    ``kv_cache_config``), or ``None`` without a ``kv_transfer_config``."""
     ktc = vllm_config.kv_transfer_config
     if ktc is None or not ktc.kv_connector:
         return None

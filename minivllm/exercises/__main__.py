@@ -25,6 +25,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"no such notebook: {', '.join(missing)}")
     if args.timeout <= 0 or args.max_output <= 0:
         parser.error("--timeout and --max-output must be positive")
+    try:
+        import ipykernel, jupyter_client, nbformat  # noqa: F401,E401
+    except ImportError as e:
+        parser.error(f"grading needs Jupyter ({e.name} is missing): pip install -e '.[notebooks]'")
     from minivllm.exercises.grade import grade_notebook, table
     grades = {}
     for i, path in enumerate(args.notebooks, 1):

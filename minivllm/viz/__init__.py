@@ -8,6 +8,9 @@ Every view reads recorded events only; none recomputes what the engine did.
 - ``acceptance_per_position_plot``, ``acceptance_length_plot``: draft acceptance.
 - ``connector_timeline``, ``pd_flow_figure``, ``pd_files_table``: disaggregated prefill/decode.
 - ``StepSlider``: an ipywidgets slider over the recorded steps, showing any of the views above.
+
+Text views fit a notebook screen (about 60 lines): long id lists print as length, head and tail
+(``minivllm/viz/text.py``).
 """
 from minivllm.viz.block_table import (block_table_figure, parse_block_table_text,
                                       render_block_table_text)

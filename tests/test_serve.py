@@ -5,6 +5,7 @@ request is aborted and its blocks freed), /metrics. Greedy outputs equal ``LLM.g
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import time
 
 import httpx
@@ -123,6 +124,8 @@ def test_seeds(client):
     (dict(top_p=0.0), "top_p"),
     (dict(n=2), "n"),
     (dict(max_tokens=600), "maximum context length"),
+    (dict(max_tokens=512), "maximum context length"),     # 1 + 512 > 512: no clamp
+    (dict(extra_body={"min_tokens": 8}), "min_tokens"),
     (dict(extra_body={"top_k": "many"}), "top_k"),
 ])
 def test_bad_requests_are_400_with_nothing_queued(server, client, kwargs, needle):
@@ -142,6 +145,51 @@ def test_bad_chat_and_unknown_model(client):
     r = httpx.post(client.base_url.join("completions").__str__(), content=b"{not json",
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == 400
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{}], "max_tokens": 4}, "messages.0.role"),         # was a 500 (jinja)
+    ({"messages": [{"role": "user"}]}, "messages.0.content"),         # was a 500 (jinja)
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages.0.content.0.type"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 600}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "seed": 2 ** 64}, "seed"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "temperature": 2.5}, "temperature"),
+])
+def test_malformed_chat_is_400_naming_the_field(server, body, param):
+    before = metric(server, "vllm:prompt_tokens_total")
+    r = httpx.post(server + "/v1/chat/completions", content=json.dumps(body), timeout=30,
+                   headers={"content-type": "application/json"})     # ASCII: \ud800 stays
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "BadRequestError" and param in err["message"]
+    assert metric(server, "vllm:prompt_tokens_total") == before
+
+
+def test_content_parts_and_unknown_fields(client, server):
+    parts = client.chat.completions.create(
+        model="smol", max_tokens=4, temperature=0, extra_body={"not_a_field": 1},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                                {"type": "text", "text": "there"}]}])
+    plain = client.chat.completions.create(
+        model="smol", max_tokens=4, temperature=0,
+        messages=[{"role": "user", "content": "Hello\nthere"}])
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    r = httpx.post(server + "/v1/completions", content=b"\xff\xfe",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400
+
+
+def test_openapi_documents_every_status(server):
+    spec = httpx.get(server + "/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = spec["paths"][path]["post"]["responses"]
+        assert set(responses) == {"200", "400", "404", "500", "503"}
+        assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith(
+            "/ErrorResponse")
+    assert "HTTPValidationError" not in spec["components"]["schemas"]
 
 
 def test_overload_503_and_disconnect_aborts(server, client):

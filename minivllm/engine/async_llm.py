@@ -24,6 +24,10 @@ class EngineOverloadedError(RuntimeError):
     """More requests in flight than ``max_pending_requests``: the server answers 503."""
 
 
+class DuplicateRequestError(ValueError):
+    """A request id that is already in flight: the caller's fault (HTTP 400)."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop stopped after an exception; every request in flight gets this."""
 
@@ -123,7 +127,8 @@ class AsyncLLM:
         state = _RequestState(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
         with self._lock:
             if request_id in self._states:
-                raise ValueError(f"request id {request_id!r} is already in flight.")
+                raise DuplicateRequestError(f"request id {request_id!r} is already in flight; "
+                                            "give each request its own id.")
             if len(self._states) >= self.max_pending_requests:
                 raise EngineOverloadedError(
                     f"server overloaded: {len(self._states)} requests in flight, the limit is "

@@ -1,52 +1,87 @@
-"""OpenAI request bodies and their translation to ``SamplingParams``, mirroring
-vllm/entrypoints/openai/protocol.py (``CompletionRequest``, ``ChatCompletionRequest``,
-``ErrorResponse``). Fields vLLM adds to OpenAI's (``top_k``, ``min_tokens``, ``stop_token_ids``,
-``ignore_eos``, ``include_stop_str_in_output``, ``kv_transfer_params``) are accepted at the top level
-of the body, as vLLM does (the ``openai`` client sends them through ``extra_body``).
+"""OpenAI request bodies, checked field by field before anything is queued, mirroring
+vllm/entrypoints/openai/{completion,chat_completion}/protocol.py (``CompletionRequest``,
+``ChatCompletionRequest``) and vllm/entrypoints/serve/engine/protocol.py (``OpenAIBaseModel``).
+
+- Fields vLLM adds to OpenAI's (``top_k``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
+  ``include_stop_str_in_output``, ``kv_transfer_params``) are accepted at the top level of the body,
+  as vLLM does (the ``openai`` client sends them through ``extra_body``).
+- Unknown fields are accepted and ignored, as in vLLM (its ``OpenAIBaseModel`` has
+  ``extra="allow"`` and only logs them): OpenAI clients send fields this server has no use for.
+- Numeric ranges are vLLM's ``SamplingParams._verify_args`` ranges (temperature finite in [0, 2],
+  top_p in (0, 1], top_k >= -1, max_tokens >= 1, min_tokens >= 0) and its 64-bit ``seed``. They are
+  declared on the fields, so ``/openapi.json`` states them and a fuzzer can read them.
+- A chat message has a non-empty ``role`` (which roles are allowed is the chat template's business:
+  its errors are 400s too, see serving.py) and ``content``: a string, or OpenAI's list of content
+  parts of which only ``{"type": "text"}`` is supported; parts are joined with newlines, as vLLM does
+  for a template that expects string content.
+
+A body that fails these checks is HTTP 400 with OpenAI's error JSON (``ErrorResponse``) whose
+``param`` names the field.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from minivllm.sampling_params import SamplingParams
 
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Float = Annotated[float, Field(allow_inf_nan=False)]
 
-class StreamOptions(BaseModel):
+
+class OpenAIBaseModel(BaseModel):
+    # vLLM accepts and ignores unknown fields; so does this server.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    # Unknown fields are ignored, as OpenAI clients send some this server has no use for.
-    model_config = ConfigDict(extra="ignore")
+class TextContentPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
 
+
+class ChatMessage(OpenAIBaseModel):
+    role: str = Field(min_length=1, description="Passed to the chat template, which may refuse it.")
+    content: Union[str, Annotated[list[TextContentPart], Field(min_length=1)]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class _SamplingFields(OpenAIBaseModel):
     model: Optional[str] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_tokens: int = 0
-    seed: Optional[int] = None
+    temperature: Optional[Annotated[Float, Field(ge=0.0, le=2.0)]] = None
+    top_p: Optional[Annotated[Float, Field(gt=0.0, le=1.0)]] = None
+    top_k: Optional[Annotated[int, Field(ge=-1, le=INT64_MAX)]] = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
+    seed: Optional[Int64] = None
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=INT64_MAX, description="Only 1 is supported.")] = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    logprobs: Optional[Any] = None
-    kv_transfer_params: Optional[dict] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
     def check_supported(self) -> None:
         """``ValueError`` (HTTP 400) for what this server does not do, before anything is queued."""
         if self.n != 1:
             raise ValueError(f"n: only n=1 is supported, got {self.n}.")
-        if self.logprobs not in (None, False, 0):
+        if getattr(self, "logprobs", None) not in (None, False, 0):
             raise ValueError("logprobs: not supported by this server.")
 
-    def to_sampling_params(self, max_tokens: Optional[int]) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         extra = ({"kv_transfer_params": self.kv_transfer_params}
                  if self.kv_transfer_params is not None else None)
         return SamplingParams(
@@ -59,9 +94,10 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16          # OpenAI's default for /v1/completions
+    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    max_tokens: Optional[Annotated[int, Field(ge=1, le=INT64_MAX)]] = 16   # OpenAI's default
     echo: bool = False
+    logprobs: Optional[Annotated[int, Field(ge=0)]] = Field(None, description="Not supported.")
 
     def get_prompt(self) -> Union[str, dict]:
         """One prompt: a string or token ids (``{"prompt_token_ids": [...]}``)."""
@@ -81,14 +117,92 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[dict[str, Any]]
-    max_tokens: Optional[int] = None        # None: up to max_model_len, as in vLLM
-    max_completion_tokens: Optional[int] = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    # None: up to max_model_len - prompt, as in vLLM.
+    max_tokens: Optional[Annotated[int, Field(ge=1, le=INT64_MAX)]] = None
+    max_completion_tokens: Optional[Annotated[int, Field(ge=1, le=INT64_MAX)]] = None
     add_generation_prompt: bool = True
+    logprobs: Optional[bool] = Field(None, description="Not supported.")
 
     def get_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """What the chat template sees: ``role`` and string ``content`` only."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+# ---------------------------------------------------------------------- responses (for the spec)
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error JSON, vLLM's ``ErrorResponse``."""
+    error: ErrorInfo
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+
+class _ChoiceBase(BaseModel):
+    index: int
+    logprobs: None = None
+    finish_reason: Optional[Literal["stop", "length", "abort"]]
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class CompletionChoice(_ChoiceBase):
+    text: str
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_ChoiceBase):
+    message: ChatMessageOut
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    kv_transfer_params: Optional[dict[str, Any]] = None
+
+
+class ChatCompletionResponse(CompletionResponse):
+    object: Literal["chat.completion"]
+    choices: list[ChatChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
 
 
 def random_uuid() -> str:

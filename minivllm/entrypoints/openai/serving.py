@@ -12,19 +12,34 @@ import asyncio
 import json
 from typing import Any, AsyncIterator, Optional, Union
 
+import jinja2
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from minivllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
+from minivllm.engine.async_llm import (AsyncLLM, DuplicateRequestError, EngineDeadError,
+                                       EngineOverloadedError)
 from minivllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   error_body, now, random_uuid, usage_body)
 from minivllm.outputs import RequestOutput
 
 
-def error_response(message: str, code: int = 400) -> JSONResponse:
-    err_type = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
-    return JSONResponse(error_body(message, err_type.get(code, "InternalServerError"), code),
-                        status_code=code)
+class BadRequest(ValueError):
+    """A request that cannot be served as given: HTTP 400 naming ``param``, the field at fault."""
+
+    def __init__(self, param: Optional[str], message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def error_response(message: str, code: int = 400, param: Optional[str] = None) -> Response:
+    """OpenAI's error JSON. Escaped to ASCII: a message quoting the client's text (which JSON lets
+    carry lone surrogates) must still encode."""
+    err_type = {404: "NotFoundError", 405: "MethodNotAllowedError",
+                503: "ServiceUnavailableError"}.get(
+        code, "InternalServerError" if code >= 500 else "BadRequestError")
+    body = error_body(message, err_type, code, param)
+    return Response(json.dumps(body, ensure_ascii=True), status_code=code,
+                    media_type="application/json")
 
 
 class OpenAIServing:
@@ -35,31 +50,71 @@ class OpenAIServing:
         self.max_model_len = self.engine.vllm_config.model_config.max_model_len
 
     # ------------------------------------------------------------------ checks
-    def _prepare(self, body: Union[CompletionRequest, ChatCompletionRequest]):
-        """Everything that can make a request invalid, checked before it is queued."""
-        if body.model is not None and body.model != self.model_name:
-            return None, error_response(f"The model `{body.model}` does not exist.", 404)
+    def _render_chat(self, body: ChatCompletionRequest) -> str:
+        """The chat template applied to the messages; whatever the template or the tokenizer
+        refuses (a role it does not know, an order it forbids, text it cannot encode) is a 400."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+            raise BadRequest("messages", "messages: this model has no chat template; "
+                                         "use /v1/completions.")
         try:
-            body.check_supported()
+            prompt = tokenizer.apply_chat_template(
+                body.template_messages(), add_generation_prompt=body.add_generation_prompt,
+                tokenize=False)
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
+            raise BadRequest("messages", f"messages: the chat template refused them: "
+                                         f"{type(e).__name__}: {e}") from e
+        if not isinstance(prompt, str):
+            raise BadRequest("messages", "messages: the chat template did not render to text.")
+        return prompt
+
+    def _tokenize(self, prompt: Union[str, dict], param: str) -> list[int]:
+        try:
+            _, token_ids = self.engine.validate_prompt(prompt)
+        except TypeError as e:                  # what tokenizers raise on lone surrogates
+            raise BadRequest(param, f"{param}: the text cannot be tokenized (it must be valid "
+                                    f"Unicode, without lone surrogates): {e}") from e
+        except ValueError as e:
+            raise BadRequest(param, f"{param}: {e}") from e
+        return token_ids
+
+    def _prepare(self, body: Union[CompletionRequest, ChatCompletionRequest]):
+        """Everything that can make a request invalid, checked before it is queued. Returns
+        ((prompt, SamplingParams), None) or (None, an error response)."""
+        if body.model is not None and body.model != self.model_name:
+            return None, error_response(f"The model `{body.model}` does not exist.", 404, "model")
+        try:
+            try:
+                body.check_supported()
+            except ValueError as e:
+                raise BadRequest(str(e).split(":")[0], str(e)) from e
             if isinstance(body, ChatCompletionRequest):
-                tokenizer = self.engine.tokenizer
-                if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-                    raise ValueError("messages: this model has no chat template.")
-                prompt = tokenizer.apply_chat_template(
-                    body.messages, add_generation_prompt=body.add_generation_prompt,
-                    tokenize=False)
+                prompt, param = self._render_chat(body), "messages"
                 max_tokens = body.get_max_tokens()
             else:
-                prompt, max_tokens = body.get_prompt(), body.max_tokens
-            params = body.to_sampling_params(max_tokens)
-            _, token_ids = self.engine.validate_prompt(prompt)
-            if max_tokens is not None and len(token_ids) + max_tokens > self.max_model_len:
-                raise ValueError(
-                    f"This model's maximum context length is {self.max_model_len} tokens. "
-                    f"However, you requested {len(token_ids) + max_tokens} tokens "
-                    f"({len(token_ids)} in the prompt, {max_tokens} for the completion).")
-        except (ValueError, TypeError) as e:
-            return None, error_response(str(e), 400)
+                try:
+                    prompt = body.get_prompt()
+                except ValueError as e:
+                    raise BadRequest("prompt", str(e)) from e
+                param, max_tokens = "prompt", body.max_tokens
+            token_ids = self._tokenize(prompt, param)
+            room = self.max_model_len - len(token_ids)
+            if max_tokens is None:              # vLLM's default: whatever room is left
+                max_tokens = room
+            elif max_tokens > room:             # vLLM refuses; it never clamps silently
+                raise BadRequest("max_tokens",
+                    f"max_tokens: this model's maximum context length is {self.max_model_len} "
+                    f"tokens. However, you requested {len(token_ids) + max_tokens} tokens "
+                    f"({len(token_ids)} in the {param}, {max_tokens} for the completion).")
+            try:
+                params = body.to_sampling_params(max_tokens)
+            except ValueError as e:             # SamplingParams' own checks (min_tokens, stop)
+                field = str(e).split(" ")[0].rstrip(":")
+                if field not in type(body).model_fields:
+                    raise BadRequest(None, str(e)) from e
+                raise BadRequest(field, f"{field}: {e}") from e
+        except BadRequest as e:
+            return None, error_response(str(e), 400, e.param)
         # Token ids from here on: the engine does not tokenize the same text twice.
         return ({"prompt": prompt if isinstance(prompt, str) else None,
                  "prompt_token_ids": token_ids}, params), None
@@ -83,20 +138,16 @@ class OpenAIServing:
         if body.stream:
             try:
                 first = await gen.__anext__()     # surfaces 503 before the stream starts
-            except EngineOverloadedError as e:
-                return error_response(str(e), 503)
-            except EngineDeadError as e:
-                return error_response(str(e), 500)
+            except (EngineOverloadedError, EngineDeadError, ValueError) as e:
+                return _engine_error(e)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
                 self._stream(request_id, first, gen, params.stop, chat, include_usage),
                 media_type="text/event-stream", headers=headers)
         try:
             final = await _collect_unless_disconnected(gen, raw)
-        except EngineOverloadedError as e:
-            return error_response(str(e), 503)
-        except EngineDeadError as e:
-            return error_response(str(e), 500)
+        except (EngineOverloadedError, EngineDeadError, ValueError) as e:
+            return _engine_error(e)
         if final is None:                      # the client went away; the request was aborted
             return error_response("client disconnected", 499)
         if final.outputs[0].finish_reason == "error":   # kv_load_failure_policy="fail"
@@ -170,6 +221,19 @@ class OpenAIServing:
         finally:
             await gen.aclose()                  # aborts the request if it is still running
         yield "data: [DONE]\n\n"
+
+
+def _engine_error(e: Exception) -> Response:
+    """What ``AsyncLLM.generate`` raised: overload is a 503; a dead engine loop, or a request the
+    engine refused after every check here passed, is a server fault (500) that names itself."""
+    if isinstance(e, EngineOverloadedError):
+        return error_response(str(e), 503)
+    if isinstance(e, DuplicateRequestError):
+        return error_response(f"X-Request-Id: {e}", 400, "X-Request-Id")
+    if isinstance(e, EngineDeadError):
+        return error_response(f"EngineDeadError: {e}", 500)
+    return error_response(f"the engine refused a request that passed validation: "
+                          f"{type(e).__name__}: {e}", 500)
 
 
 async def _collect_unless_disconnected(gen: AsyncIterator[RequestOutput],

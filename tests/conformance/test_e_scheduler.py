@@ -149,7 +149,7 @@ def test_scheduler_step_by_step_equals_vllm(vllm_side, conformance_model):
     """With 0.32's full-prompt admission gate off, every field of every step is equal except one
     named difference: vLLM 0.32 pads a fresh one-token decode to 1 + K tokens with -1 drafts."""
     mini = W.run(MinivllmAdapter())
-    vllm = vllm_side("e_scheduler.py", {"model": conformance_model}, timeout=240,
+    vllm = vllm_side("e_scheduler.py", {"model": conformance_model},
                      engine=False)["first_chunk"]
     diffs = _diff(mini, vllm)
     # Named difference (delta file §1, "pad_spec_decode"; vllm/v1/core/sched/scheduler.py
@@ -178,7 +178,7 @@ def test_scheduler_admission_gate_is_a_named_difference(vllm_side, conformance_m
     admitted only when blocks for its whole prompt are free, not just for its first chunk (the
     article's and minivllm's rule). On this workload that removes every preemption."""
     mini = W.run(MinivllmAdapter())
-    vllm = vllm_side("e_scheduler.py", {"model": conformance_model}, timeout=240,
+    vllm = vllm_side("e_scheduler.py", {"model": conformance_model},
                      engine=False)["reserve_full_isl"]
     first = _diff(mini, vllm)[0]
     step = first[0]

@@ -1,0 +1,203 @@
+"""The conformance suite: the real vLLM 0.32 (CPU build) beside minivllm on the same inputs.
+
+How it runs (README.md in this folder has the longer version):
+- vLLM lives in its own venv (``bash tests/conformance/setup_vllm.sh``; ``MINIVLLM_VLLM_VENV`` moves
+  it). Without it every test here is skipped with one line naming that script; with ``CI=true`` a
+  missing venv is a failure instead, so a broken install can never pass CI silently.
+- The vLLM side of a case is a script in ``vllm_side/`` run in that venv as a subprocess
+  (``vllm_side(script, payload)``): it reads the payload as JSON, writes one JSON result. Calls are
+  cached for the session by (script, payload), so one script per engine configuration computes
+  everything the cases need and its engine starts once.
+- Engine-starting scripts take ``/tmp/minivllm-vllm.lock`` (one ~7 GB vLLM at a time per machine)
+  and get a bounded timeout; on timeout the whole process group is killed by its id.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+VLLM_SIDE = HERE / "vllm_side"
+SETUP = "bash tests/conformance/setup_vllm.sh"
+VLLM_VERSION = "0.32.0"
+LOCK_PATH = "/tmp/minivllm-vllm.lock"
+
+
+def vllm_venv() -> Path:
+    return Path(os.environ.get("MINIVLLM_VLLM_VENV") or ROOT / ".venv-vllm")
+
+
+def venv_problem() -> str | None:
+    """Why the vLLM venv cannot be used, or None. Ready means setup_vllm.sh finished (its marker)."""
+    venv = vllm_venv()
+    marker = venv / ".minivllm-vllm-ready"
+    if not (venv / "bin" / "python").exists():
+        return f"no vLLM venv at {venv}"
+    if not marker.exists() or marker.read_text().strip() != VLLM_VERSION:
+        return f"the vLLM venv at {venv} is incomplete (no vLLM {VLLM_VERSION} ready marker)"
+    return None
+
+
+def _missing_message(problem: str) -> str:
+    return f"conformance suite: {problem}; create it with `{SETUP}`"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without the vLLM venv (and not under CI): the whole suite becomes ONE skipped test (the
+    first) and the others are deselected, so ``pytest -q`` prints one line naming the set-up."""
+    problem = venv_problem()
+    ours = [it for it in items if HERE in Path(str(it.path)).resolve().parents]
+    if problem is None or not ours or os.environ.get("CI", "").lower() == "true":
+        return
+    ours[0].add_marker(pytest.mark.skip(reason=_missing_message(problem)))
+    rest = set(map(id, ours[1:]))
+    config.hook.pytest_deselected(items=ours[1:])
+    items[:] = [it for it in items if id(it) not in rest]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _require_vllm_venv():
+    """Under CI (``CI=true``) a missing vLLM venv fails every test here: a broken install must
+    never pass as a skip."""
+    problem = venv_problem()
+    if problem is not None:
+        pytest.fail(_missing_message(problem) + " (CI=true: a missing vLLM is a failure, not a "
+                    "skip)", pytrace=False)
+
+
+def vllm_env() -> dict:
+    """The environment vLLM's CPU build needs on a small machine (shared/reference/vllm_cpu.md)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    bind = f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else \
+        ",".join(map(str, cpus))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(
+        PYTHONPATH=str(VLLM_SIDE),          # the shared helper module; never minivllm
+        VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=bind,
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_USE_AOT_COMPILE="0", VLLM_NO_USAGE_STATS="1",
+        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        PATH=f"{vllm_venv() / 'bin'}:{os.environ.get('PATH', '')}",
+    )
+    return env
+
+
+class _Lock:
+    """``flock`` on LOCK_PATH, waiting at most ``timeout`` seconds (other vLLM users finish first)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout, self.f = timeout, None
+
+    def __enter__(self):
+        self.f = open(LOCK_PATH, "a")
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    self.f.close()
+                    raise TimeoutError(f"{LOCK_PATH} held by another vLLM run for "
+                                       f"{self.timeout:.0f} s")
+                time.sleep(1.0)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.f, fcntl.LOCK_UN)
+        self.f.close()
+
+
+# Seconds a vLLM-side script may run (engine start included). Generous: on CI's two idle cores an
+# engine starts in ~30 s, but a busy machine can be ten times slower; a hang still ends.
+DEFAULT_TIMEOUT = float(os.environ.get("MINIVLLM_CONFORMANCE_TIMEOUT", "900"))
+
+
+def run_vllm_script(script: str, payload: dict, timeout: float = DEFAULT_TIMEOUT,
+                    engine: bool = True) -> dict:
+    """Run ``vllm_side/<script>`` in the vLLM venv with ``payload`` as its input; return its JSON.
+
+    ``engine=True`` (the script starts a vLLM engine) serialises it with other vLLM runs on this
+    machine. The script and every process it spawns (EngineCore, worker) run in their own process
+    group, killed by its id on timeout or failure, so no engine outlives the test.
+    """
+    python = vllm_venv() / "bin" / "python"
+    with tempfile.TemporaryDirectory(prefix="minivllm-conf-") as tmp:
+        inp, out = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
+        with open(inp, "w") as f:
+            json.dump(payload, f)
+        log = open(os.path.join(tmp, "log.txt"), "w+")
+        lock = _Lock(timeout=1800.0) if engine else None
+        if lock is not None:
+            lock.__enter__()
+        try:
+            proc = subprocess.Popen([str(python), str(VLLM_SIDE / script), inp, out], cwd=tmp,
+                                    env=vllm_env(), stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                rc = None
+            finally:
+                try:                        # the script's engine processes share its group
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        finally:
+            if lock is not None:
+                lock.__exit__(None, None, None)
+        log.seek(0)
+        tail = log.read()[-4000:]
+        log.close()
+        if rc is None:
+            raise TimeoutError(f"vllm_side/{script} ran past {timeout:.0f} s; its output:\n{tail}")
+        if rc != 0 or not os.path.exists(out):
+            raise RuntimeError(f"vllm_side/{script} exited with {rc}; its output:\n{tail}")
+        with open(out) as f:
+            return json.load(f)
+
+
+_CACHE: dict = {}
+
+
+@pytest.fixture(scope="session")
+def vllm_side():
+    """``vllm_side(script, payload, timeout=DEFAULT_TIMEOUT, engine=True) -> dict``, cached for the
+    session by (script, payload): the cases of one configuration share one run, hence one engine start."""
+    def call(script: str, payload: dict, timeout: float = DEFAULT_TIMEOUT,
+             engine: bool = True) -> dict:
+        key = (script, json.dumps(payload, sort_keys=True))
+        if key not in _CACHE:
+            _CACHE[key] = run_vllm_script(script, payload, timeout=timeout, engine=engine)
+        return _CACHE[key]
+    return call
+
+
+@pytest.fixture(scope="session")
+def conformance_model() -> str:
+    """minivllm's converted SmolLM2-135M-Instruct directory (float32 safetensors, tokenizer, chat
+    template): the ``model=`` of both engines."""
+    from minivllm.model_executor.model_loader import DEFAULT_MODEL, resolve_model_path
+    return resolve_model_path(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(conformance_model) -> list[list[int]]:
+    """8 chat prompts (4 that copy their input, 4 open; ``bench spec``'s), tokenised once with
+    the model's chat template, given to both engines as token ids."""
+    from minivllm.bench.spec import GROUNDED, OPEN
+    from minivllm.model_executor.model_loader import load_tokenizer
+    tok = load_tokenizer(conformance_model)
+    texts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                     add_generation_prompt=True) for t in GROUNDED[:4] + OPEN[:4]]
+    # The template already holds the special tokens; add none (as minivllm's and vLLM's chat do).
+    return [tok.encode(t, add_special_tokens=False) for t in texts]

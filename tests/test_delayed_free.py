@@ -12,7 +12,6 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
-import torch
 
 from conftest import tiny_llm
 from minivllm import SamplingParams

@@ -4,7 +4,8 @@ engine between commands as a server loop does); the decode instances are engines
 
 - flow: D's greedy output equals a colocated run, D loaded the prompt, P's pool is back to full;
 - two D instances pulling different requests at once each get exactly their own blocks;
-- D never reads: P frees at lease expiry (logged with the request id), and a late read is refused;
+- D never reads, or a D process is killed mid-pull: P frees at lease expiry (logged with the
+  request id), and a late read is refused;
 - bad reads (another engine, unknown request, blocks it does not hold) are refused, and D applies
   kv_load_failure_policy: "recompute" gives the colocated output, "fail" finish_reason "error";
 - abort on D during the pull frees D's blocks after the pull stops, and P's at D's "done";
@@ -259,3 +260,24 @@ def test_p_dies_mid_pull(tiny_llama_dir, tmp_path, reference, policy):
         assert_d_clean(d)
     finally:
         p.stop()
+
+
+def test_d_killed_mid_pull_p_frees_at_lease_expiry(peer):
+    """A D process reads layer 0 of P's blocks, then is killed (SIGKILL) before "done": P frees
+    the blocks when the lease expires, and its pool is back to its free count."""
+    params = peer.ask(op="prefill", id="dkill", prompt=PROMPTS[2])["params"]
+    read = {"op": "read", "engine_id": params["remote_engine_id"], "req_id": "dkill",
+            "block_ids": params["remote_block_ids"], "layer": 0}
+    code = (f"import json, os, signal, zmq\n"
+            f"s = zmq.Context().socket(zmq.REQ)\n"
+            f"s.connect('tcp://{params['remote_host']}:{params['remote_port']}')\n"
+            f"s.send(json.dumps({read!r}).encode())\n"
+            f"frames = s.recv_multipart()\n"
+            f"print(json.loads(frames[0])['status'], len(frames[1]), flush=True)\n"
+            f"os.kill(os.getpid(), signal.SIGKILL)\n")
+    d = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert d.returncode == -9 and d.stdout.startswith("ok "), d.stderr
+    assert peer.ask(op="state")["free"] < peer.total          # still held: no "done" came
+    state = peer.wait_free(timeout=LEASE_S + 5)
+    assert state["free"] == peer.total and state["requests"] == []
+    assert "lease of request 'dkill' expired" in open(peer.log_path).read()

@@ -26,7 +26,9 @@ A pull that fails (P gone, refused, timed out, mismatch) reports D's blocks inva
 
 ``kv_connector_extra_config``: ``side_channel_host`` ("127.0.0.1", the address P binds and
 advertises), ``side_channel_port`` (0: a free port, chosen when the config is validated),
-``timeout_s`` (5.0, every side-channel message), ``num_pull_threads`` (2: concurrent pulls on D).
+``timeout_s`` (5.0, every side-channel message), ``num_pull_threads`` (2: concurrent pulls on D),
+``kv_lease_duration`` (where vLLM reads it; overrides ``KVTransferConfig.kv_lease_duration``),
+``engine_id`` (default: a fresh id per instance).
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ from minivllm.distributed.kv_transfer.zmq_pull_worker import ZmqPullWorkerMixin,
 
 logger = logging.getLogger(__name__)
 EXTRA_CONFIG_KEYS = ("side_channel_host", "side_channel_port", "timeout_s", "num_pull_threads",
-                     "engine_id")
+                     "engine_id", "kv_lease_duration")
 REMOTE_KEYS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
                "remote_port")
 STATS = ("num_held", "num_leases_expired", "num_pulls", "num_loaded_tokens", "num_loaded_bytes",
@@ -101,7 +103,8 @@ class ZmqPullConnector(ZmqPullWorkerMixin, KVConnectorBase_V1):
         self._engine_id = extra.setdefault("engine_id", f"minivllm-{uuid.uuid4().hex[:12]}")
         self._timeout_s = float(extra.get("timeout_s", 5.0))
         self._num_pull_threads = int(extra.get("num_pull_threads", 2))
-        self._lease_s = float(ktc.kv_lease_duration)
+        # vLLM reads it from the extra config; minivllm also has it as a KVTransferConfig field.
+        self._lease_s = float(extra.get("kv_lease_duration", ktc.kv_lease_duration))
         self._layout = storage.expected_layout(vllm_config)
         self._fp = storage.model_fingerprint(vllm_config)
         self._stats: dict[str, Any] = dict.fromkeys(STATS, 0)
@@ -124,9 +127,10 @@ class ZmqPullConnector(ZmqPullWorkerMixin, KVConnectorBase_V1):
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
             raise ValueError(f"{name}['side_channel_port'] must be a TCP port (0 = pick a free one), "
                              f"got {port!r}.")
-        t = extra.get("timeout_s", 5.0)
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or t <= 0:
-            raise ValueError(f"{name}['timeout_s'] must be a positive number of seconds, got {t!r}.")
+        for key in ("timeout_s", "kv_lease_duration"):
+            t = extra.get(key, 5.0)
+            if not isinstance(t, (int, float)) or isinstance(t, bool) or t <= 0:
+                raise ValueError(f"{name}['{key}'] must be a positive number of seconds, got {t!r}.")
         n = extra.get("num_pull_threads", 2)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{name}['num_pull_threads'] must be an int >= 1, got {n!r}.")

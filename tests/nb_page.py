@@ -78,7 +78,8 @@ _CELLS_JS = """() => {
 }"""
 
 
-def open_and_run(page, lab: JupyterLab, name: str, timeout: float = 240.0) -> NotebookView:
+def open_and_run(page, lab: JupyterLab, name: str, timeout: float = 240.0,
+                 settle: float = 15.0) -> NotebookView:
     """Open ``name`` in ``page``, run all cells (the Run menu's command), wait for an idle kernel with
     no queued cell (or ``timeout``), and read back every cell as the page has it."""
     t0 = time.monotonic()
@@ -101,10 +102,15 @@ def open_and_run(page, lab: JupyterLab, name: str, timeout: float = 240.0) -> No
         time.sleep(1.0)
     else:
         raise TimeoutError(f"{name}: the kernel was still busy after {timeout:.0f} s")
-    page.wait_for_timeout(500)     # let the last widget views attach
-    cells = [CellView(**c) for c in page.evaluate(_CELLS_JS)]
-    text = page.evaluate("() => window.jupyterapp.shell.currentWidget.node.innerText")
-    return NotebookView(name, cells, time.monotonic() - t0, text)
+    # Widget views attach after the kernel is idle: read again (up to `settle` s) until all are live.
+    settle = time.monotonic() + settle
+    while True:
+        cells = [CellView(**c) for c in page.evaluate(_CELLS_JS)]
+        text = page.evaluate("() => window.jupyterapp.shell.currentWidget.node.innerText")
+        view = NotebookView(name, cells, time.monotonic() - t0, text)
+        if not widget_problems(view) or time.monotonic() > settle:
+            return view
+        time.sleep(0.5)
 
 
 def close_notebook(page) -> None:

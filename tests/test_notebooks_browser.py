@@ -150,7 +150,7 @@ def test_a_widget_without_the_widget_manager_is_reported(browser):
         for enabled in (True, False):
             lab.set_widget_manager(enabled)
             t0 = time.monotonic()
-            view = open_and_run(page, lab, probe, timeout=120)
+            view = open_and_run(page, lab, probe, timeout=120, settle=15.0 if enabled else 2.0)
             seen[enabled] = (widget_problems(view), time.monotonic() - t0)
             if enabled == bool(seen[enabled][0]):
                 _screenshot(page, shots, f"widget_probe_{'on' if enabled else 'off'}")

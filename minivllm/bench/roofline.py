@@ -10,7 +10,8 @@ than a plain one-token step. This measures that cost and predicts each drafter f
 2. **Each drafter, run**: plain, n-gram, Medusa, EAGLE, EAGLE-3 and a draft model (the first
    ``--draft-layers`` layers), ``k`` drafts, on ``bench spec``'s prompts at batch 1 (a short run:
    ``--prompts`` grounded and as many open prompts, ``--max-tokens`` each). ``bench profile``'s
-   timers give the drafting time per step, the metrics the mean acceptance length ``tau``.
+   timers give the drafting time per step, the metrics the mean acceptance length ``tau``. All
+   engines are loaded first and take turns run by run (``--spec-rounds``).
 3. **Prediction**: with ``V(k+1)`` the verify step in plain steps (plain step + the forward's
    extra time at ``k + 1`` tokens, over the plain step) and ``D`` the drafting time in plain steps,
    ``speed-up = tau / (V(k+1) + D)``; the break-even acceptance length is ``V(k+1) + D``.
@@ -62,8 +63,9 @@ def forward_curve(model, batches=(1, 8), max_q: int = 8, context: int = 256,
 
 
 def run_drafters(path: str, names: list[str], k: int, n_prompts: int, max_tokens: int,
-                 draft_layers: int) -> dict[str, dict]:
-    """Each drafter's tokens/s, acceptance length and drafting ms per step at batch 1."""
+                 draft_layers: int, rounds: int = 2) -> dict[str, dict]:
+    """Each drafter's tokens/s, acceptance length and drafting ms per step at batch 1, summed
+    over ``rounds`` in which the engines take turns."""
     from minivllm.bench.profile import StepTimers, install
     from minivllm.bench.spec import GROUNDED, OPEN, MiniVLLMRunner, ngram
     from minivllm.model_executor.model_loader import load_tokenizer
@@ -80,18 +82,28 @@ def run_drafters(path: str, names: list[str], k: int, n_prompts: int, max_tokens
     specs = {n: s for n, s in specs.items() if n == "plain" or n in names}
     longest = max(len(tok.encode(p)) for p in prompts)
     blocks = -(-(longest + max_tokens + k) // 16) + 2
+    runners, timers = {}, {}
+    for name, spec in specs.items():   # all loaded first, so the runs can take turns
+        runners[name] = MiniVLLMRunner(path, spec, max_tokens, blocks)
+        timers[name] = StepTimers()
+        install(runners[name].llm, timers[name])
+    sums = {name: dict(tokens=0, seconds=0.0, passes=0.0, drafted=0.0) for name in specs}
+    for _ in range(rounds):   # engines alternate run by run: load drift hits them all alike
+        for name, runner in runners.items():
+            res = runner.run(prompts, 1)
+            s = sums[name]
+            s["tokens"] += res["tokens"]
+            s["seconds"] += res["time"]
+            s["passes"] += res["tokens"] / res["tok_fwd"]   # one target pass per step at batch 1
+            s["drafted"] += res.get("acc_len", 1.0) * res["tokens"] / res["tok_fwd"]
     out = {}
-    for name, spec in specs.items():
-        runner = MiniVLLMRunner(path, spec, max_tokens, blocks)
-        timers = StepTimers()
-        install(runner.llm, timers)
-        res = runner.run(prompts, 1)
-        steps = res["tokens"] / res["tok_fwd"]   # one target pass per step at batch 1
-        out[name] = dict(tokens=res["tokens"], seconds=res["time"],
-                         tokens_per_s=res["tokens"] / res["time"], acc_len=res.get("acc_len", 1.0),
-                         tok_fwd=res["tok_fwd"], step_ms=timers.inclusive["step"] / steps * 1e3,
-                         draft_ms=timers.inclusive.get("drafter", 0.0) / steps * 1e3)
-        del runner
+    for name, s in sums.items():
+        t = timers[name]
+        out[name] = dict(tokens=s["tokens"], seconds=s["seconds"],
+                         tokens_per_s=s["tokens"] / s["seconds"], tok_fwd=s["tokens"] / s["passes"],
+                         acc_len=s["drafted"] / s["passes"],
+                         step_ms=t.inclusive["step"] / s["passes"] * 1e3,
+                         draft_ms=t.inclusive.get("drafter", 0.0) / s["passes"] * 1e3)
     return out
 
 
@@ -152,6 +164,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=1, help="grounded and open prompts each")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--draft-layers", type=int, default=8)
+    ap.add_argument("--spec-rounds", type=int, default=2, help="turns of the drafter runs")
     ap.add_argument("--drafters", default="n-gram,Medusa,EAGLE,EAGLE-3,draft model")
     ap.add_argument("--json", default="figures/roofline_spec.json")
     ap.add_argument("--figure", default="figures/roofline_spec.png")
@@ -169,7 +182,7 @@ def main(argv=None) -> None:
         print(f"batch {batch}: forward ms at 1..8 tokens per request: "
               + " ".join(f"{m:.1f}" for m in ms), flush=True)
     drafters = run_drafters(path, args.drafters.split(","), args.k, args.prompts, args.max_tokens,
-                            args.draft_layers)
+                            args.draft_layers, args.spec_rounds)
     pred = predict(curve[1], drafters, args.k)
     print(f"\nk={args.k}, batch 1; V = verify step / plain step, D = drafting / plain step")
     print(f"{'drafter':<12}{'tau':>6}{'V':>6}{'D':>6}{'break-even':>11}{'predicted':>10}{'measured':>9}")
@@ -178,7 +191,8 @@ def main(argv=None) -> None:
               f"{p['break_even']:11.2f}{p['predicted']:9.2f}x{p['measured']:8.2f}x")
     result = dict(device="CPU (%d torch threads)" % torch.get_num_threads(), k=args.k,
                   context=args.context, curve_ms={str(b): ms for b, ms in curve.items()},
-                  workload=f"{2 * args.prompts} prompts x {args.max_tokens} tokens, batch 1",
+                  workload=f"{2 * args.prompts} prompts x {args.max_tokens} tokens x {args.spec_rounds} "
+                  "rounds, batch 1",
                   drafters=drafters, predicted=pred, gpu_curve=None)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)

@@ -16,7 +16,6 @@ are not split across ranks.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable, Optional
 
 import torch
@@ -24,101 +23,11 @@ from torch import nn
 
 from minivllm.attention.layer import Attention
 from minivllm.model_executor.activation import SiluAndMul
+from minivllm.model_executor.layernorm import RMSNorm
 from minivllm.model_executor.linear import Linear, MergedColumnParallelLinear, QKVParallelLinear
+from minivllm.model_executor.rotary_embedding import (  # noqa: F401  (re-exported, as before)
+    SUPPORTED_ROPE_TYPES, RotaryEmbedding, get_rope, rope_config)
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class RMSNorm(nn.Module):
-    """vllm/model_executor/layers/layernorm.py: ``forward(x, residual)`` fuses the residual add.
-
-    With a residual it returns ``(norm(x + residual), x + residual)``, so the decoder layer carries
-    the un-normalised stream as ``residual`` (vLLM's layout) instead of adding it back itself.
-    """
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if residual is not None:
-            x = x + residual
-            residual = x
-        orig_dtype = x.dtype
-        # The variance is taken in float32 even for bfloat16 weights: squares overflow/lose bits otherwise.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        out = self.weight * x32.to(orig_dtype)
-        return out if residual is None else (out, residual)
-
-
-def rope_config(hf_config: Any) -> tuple[float, dict]:
-    """``(rope_theta, rope_parameters)`` from either config layout.
-
-    transformers 5 stores everything in ``config.rope_parameters`` (``rope_theta`` included; the old
-    ``config.rope_theta`` attribute reads ``None`` and ``rope_scaling`` is an alias); transformers 4
-    keeps ``config.rope_theta`` and an optional ``config.rope_scaling`` dict (older files spell
-    ``rope_type`` as ``type``).
-    """
-    params = dict(getattr(hf_config, "rope_parameters", None)
-                  or getattr(hf_config, "rope_scaling", None) or {})
-    theta = params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0
-    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    return float(theta), params
-
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate halves), vllm/model_executor/layers/rotary_embedding.py.
-
-    vLLM precomputes a ``cos_sin_cache [max_position, rotary_dim]`` and gathers rows by position;
-    here cos/sin are computed from ``positions`` each call (same numbers, no length limit). The
-    inverse frequencies are a plain attribute, not a buffer, so the model can be built on the meta
-    device and materialised with ``to_empty`` without losing them.
-    """
-
-    def __init__(self, head_dim: int, rope_theta: float, rope_parameters: dict) -> None:
-        super().__init__()
-        self.head_dim = head_dim
-        rope_type = rope_parameters["rope_type"]
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise NotImplementedError(
-                f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}.")
-        # device="cpu" explicitly: this must be a real tensor even under a `with torch.device("meta")`.
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-        inv_freq = 1.0 / (rope_theta ** exponents)
-        if rope_type == "linear":
-            inv_freq = inv_freq / rope_parameters["factor"]
-        elif rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
-        self.inv_freq = inv_freq   # [head_dim // 2] float32
-
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]   # [num_tokens, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]            # [num_tokens, 1, head_dim]
-        cos, sin = emb.cos().to(query.dtype), emb.sin().to(query.dtype)
-        return _rotate(query, cos, sin, self.head_dim), _rotate(key, cos, sin, self.head_dim)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
-    n = x.shape[0]
-    x = x.view(n, -1, head_dim)
-    x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2:]
-    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).view(n, -1)
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
-    """Llama 3.1 frequency scaling: long wavelengths / factor, short kept, smooth blend between."""
-    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
-    old_len = p["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(is_medium, blended, scaled)
 
 
 class LlamaMLP(nn.Module):
@@ -150,7 +59,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads,
                                           bias=bias)
         self.o_proj = Linear(self.q_size, hidden, bias=bias)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, *rope_config(config))
+        self.rotary_emb = get_rope(self.head_dim, *rope_config(config))
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                               self.num_kv_heads, prefix=f"{prefix}.attn", backend=attention_backend)
 

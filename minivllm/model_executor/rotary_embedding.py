@@ -1,0 +1,101 @@
+"""Neox-style rotary embedding with a shared ``cos_sin_cache``, mirroring
+vllm/model_executor/layers/rotary_embedding/ (``get_rope``, ``RotaryEmbedding``)."""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_config(hf_config: Any) -> tuple[float, dict]:
+    """``(rope_theta, rope_parameters)`` from either config layout.
+
+    transformers 5 stores everything in ``config.rope_parameters`` (``rope_theta`` included; the old
+    ``config.rope_theta`` attribute reads ``None`` and ``rope_scaling`` is an alias); transformers 4
+    keeps ``config.rope_theta`` and an optional ``config.rope_scaling`` dict (older files spell
+    ``rope_type`` as ``type``).
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None)
+                  or getattr(hf_config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return float(theta), params
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate halves), vllm/model_executor/layers/rotary_embedding.py.
+
+    As in vLLM, a ``cos_sin_cache [max_position, 2 * head_dim]`` (cos | sin, float32) is computed
+    once and each call gathers its rows by position; it is built on first use on the positions'
+    device and grown when a position passes its end (so there is no length limit). ``get_rope``
+    shares one instance, and so one cache, among the layers. The inverse frequencies are a plain
+    attribute, not a buffer, so the model can be built on the meta device and materialised with
+    ``to_empty`` without losing them.
+    """
+
+    def __init__(self, head_dim: int, rope_theta: float, rope_parameters: dict) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        rope_type = rope_parameters["rope_type"]
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise NotImplementedError(
+                f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}.")
+        # device="cpu" explicitly: this must be a real tensor even under a `with torch.device("meta")`.
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        inv_freq = 1.0 / (rope_theta ** exponents)
+        if rope_type == "linear":
+            inv_freq = inv_freq / rope_parameters["factor"]
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
+        self.inv_freq = inv_freq   # [head_dim // 2] float32
+        self.cos_sin_cache: Optional[torch.Tensor] = None   # [max_position, 2 * head_dim]
+
+    def _build_cache(self, length: int, device: torch.device) -> None:
+        freqs = torch.arange(length, device=device).float()[:, None] * self.inv_freq.to(device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)                          # [length, head_dim]
+        self.cos_sin_cache = torch.cat((emb.cos(), emb.sin()), dim=-1)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        cache = self.cos_sin_cache
+        if cache is None or cache.device != positions.device or (
+                positions.numel() and int(positions.max()) >= cache.shape[0]):
+            need = int(positions.max()) + 1 if positions.numel() else 1
+            self._build_cache(max(4096, 1 << (need - 1).bit_length()), positions.device)
+        cos_sin = self.cos_sin_cache.index_select(0, positions)[:, None, :].to(query.dtype)
+        cos, sin = cos_sin[..., : self.head_dim], cos_sin[..., self.head_dim:]
+        return _rotate(query, cos, sin, self.head_dim), _rotate(key, cos, sin, self.head_dim)
+
+
+_ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
+
+
+def get_rope(head_dim: int, rope_theta: float, rope_parameters: dict) -> RotaryEmbedding:
+    """vllm/model_executor/layers/rotary_embedding/__init__.py ``get_rope``: one shared instance
+    per configuration, so every layer gathers from the same ``cos_sin_cache``."""
+    key = (head_dim, rope_theta, tuple(sorted((k, str(v)) for k, v in rope_parameters.items())))
+    if key not in _ROPE_CACHE:
+        _ROPE_CACHE[key] = RotaryEmbedding(head_dim, rope_theta, rope_parameters)
+    return _ROPE_CACHE[key]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    n = x.shape[0]
+    x = x.view(n, -1, head_dim)
+    x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2:]
+    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).view(n, -1)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths / factor, short kept, smooth blend between."""
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, blended, scaled)

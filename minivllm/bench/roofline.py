@@ -10,7 +10,7 @@ than a plain one-token step. This measures that cost and predicts each drafter f
 2. **Each drafter, run**: plain, n-gram, Medusa, EAGLE, EAGLE-3 and a draft model (the first
    ``--draft-layers`` layers), ``k`` drafts, on ``bench spec``'s prompts at batch 1 (a short run:
    ``--prompts`` grounded and as many open prompts, ``--max-tokens`` each). ``bench profile``'s
-   timers give the drafting time per step, the metrics the mean acceptance length ``tau``. All
+   timers give the drafting time per step, the metrics ``tau``, tokens per target pass. All
    engines are loaded first and take turns run by run (``--spec-rounds``).
 3. **Prediction**: with ``V(k+1)`` the verify step in plain steps (plain step + the forward's
    extra time at ``k + 1`` tokens, over the plain step) and ``D`` the drafting time in plain steps,
@@ -64,7 +64,7 @@ def forward_curve(model, batches=(1, 8), max_q: int = 8, context: int = 256,
 
 def run_drafters(path: str, names: list[str], k: int, n_prompts: int, max_tokens: int,
                  draft_layers: int, rounds: int = 2) -> dict[str, dict]:
-    """Each drafter's tokens/s, acceptance length and drafting ms per step at batch 1, summed
+    """Each drafter's tokens/s, tokens per target pass and drafting ms per step at batch 1, summed
     over ``rounds`` in which the engines take turns."""
     from minivllm.bench.profile import StepTimers, install
     from minivllm.bench.spec import GROUNDED, OPEN, MiniVLLMRunner, ngram
@@ -87,7 +87,7 @@ def run_drafters(path: str, names: list[str], k: int, n_prompts: int, max_tokens
         runners[name] = MiniVLLMRunner(path, spec, max_tokens, blocks)
         timers[name] = StepTimers()
         install(runners[name].llm, timers[name])
-    sums = {name: dict(tokens=0, seconds=0.0, passes=0.0, drafted=0.0) for name in specs}
+    sums = {name: dict(tokens=0, seconds=0.0, passes=0.0) for name in specs}
     for _ in range(rounds):   # engines alternate run by run: load drift hits them all alike
         for name, runner in runners.items():
             res = runner.run(prompts, 1)
@@ -95,13 +95,11 @@ def run_drafters(path: str, names: list[str], k: int, n_prompts: int, max_tokens
             s["tokens"] += res["tokens"]
             s["seconds"] += res["time"]
             s["passes"] += res["tokens"] / res["tok_fwd"]   # one target pass per step at batch 1
-            s["drafted"] += res.get("acc_len", 1.0) * res["tokens"] / res["tok_fwd"]
     out = {}
     for name, s in sums.items():
         t = timers[name]
         out[name] = dict(tokens=s["tokens"], seconds=s["seconds"],
                          tokens_per_s=s["tokens"] / s["seconds"], tok_fwd=s["tokens"] / s["passes"],
-                         acc_len=s["drafted"] / s["passes"],
                          step_ms=t.inclusive["step"] / s["passes"] * 1e3,
                          draft_ms=t.inclusive.get("drafter", 0.0) / s["passes"] * 1e3)
     return out

@@ -31,15 +31,18 @@ class RotaryEmbedding(nn.Module):
 
     As in vLLM, a ``cos_sin_cache [max_position, 2 * head_dim]`` (cos | sin, float32) is computed
     once and each call gathers its rows by position; it is built on first use on the positions'
-    device and grown when a position passes its end (so there is no length limit). ``get_rope``
-    shares one instance, and so one cache, among the layers. The inverse frequencies are a plain
+    device, ``max_position`` rows (the config's ``max_position_embeddings``; a later position is an
+    index error; the length is not checked per call, which would be a host sync on a GPU).
+    ``get_rope`` shares one instance, and so one cache, among the layers. The inverse frequencies are a plain
     attribute, not a buffer, so the model can be built on the meta device and materialised with
     ``to_empty`` without losing them.
     """
 
-    def __init__(self, head_dim: int, rope_theta: float, rope_parameters: dict) -> None:
+    def __init__(self, head_dim: int, rope_theta: float, rope_parameters: dict,
+                 max_position: int = 8192) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.max_position = max_position
         rope_type = rope_parameters["rope_type"]
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise NotImplementedError(
@@ -61,10 +64,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
         cache = self.cos_sin_cache
-        if cache is None or cache.device != positions.device or (
-                positions.numel() and int(positions.max()) >= cache.shape[0]):
-            need = int(positions.max()) + 1 if positions.numel() else 1
-            self._build_cache(max(4096, 1 << (need - 1).bit_length()), positions.device)
+        if cache is None or cache.device != positions.device:   # no length check: no host sync
+            self._build_cache(self.max_position, positions.device)
         cos_sin = self.cos_sin_cache.index_select(0, positions)[:, None, :].to(query.dtype)
         cos, sin = cos_sin[..., : self.head_dim], cos_sin[..., self.head_dim:]
         return _rotate(query, cos, sin, self.head_dim), _rotate(key, cos, sin, self.head_dim)
@@ -73,12 +74,14 @@ class RotaryEmbedding(nn.Module):
 _ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
 
 
-def get_rope(head_dim: int, rope_theta: float, rope_parameters: dict) -> RotaryEmbedding:
+def get_rope(head_dim: int, rope_theta: float, rope_parameters: dict,
+             max_position: int = 8192) -> RotaryEmbedding:
     """vllm/model_executor/layers/rotary_embedding/__init__.py ``get_rope``: one shared instance
     per configuration, so every layer gathers from the same ``cos_sin_cache``."""
-    key = (head_dim, rope_theta, tuple(sorted((k, str(v)) for k, v in rope_parameters.items())))
+    key = (head_dim, rope_theta, max_position,
+           tuple(sorted((k, str(v)) for k, v in rope_parameters.items())))
     if key not in _ROPE_CACHE:
-        _ROPE_CACHE[key] = RotaryEmbedding(head_dim, rope_theta, rope_parameters)
+        _ROPE_CACHE[key] = RotaryEmbedding(head_dim, rope_theta, rope_parameters, max_position)
     return _ROPE_CACHE[key]
 
 

@@ -59,7 +59,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads,
                                           bias=bias)
         self.o_proj = Linear(self.q_size, hidden, bias=bias)
-        self.rotary_emb = get_rope(self.head_dim, *rope_config(config))
+        self.rotary_emb = get_rope(self.head_dim, *rope_config(config),
+                                   max(4096, getattr(config, "max_position_embeddings", 0) or 0))
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                               self.num_kv_heads, prefix=f"{prefix}.attn", backend=attention_backend)
 

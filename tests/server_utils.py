@@ -56,6 +56,33 @@ def start_server(args: list[str], log_path: str, timeout: float = 180.0):
     return url, proc
 
 
+def start_proxy(prefill: list[str], decode: list[str], log_path: str, timeout: float = 60.0):
+    """``python -m minivllm.disagg.proxy`` on a free port; returns (url, Popen). Ready when it
+    serves its spec (its /health needs every instance up, and a test may give it a dead one)."""
+    port = free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "minivllm.disagg.proxy", "--prefill", *prefill,
+                             "--decode", *decode, "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env=child_env())
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"proxy exited ({proc.returncode}):\n{open(log_path).read()}")
+            try:
+                if httpx.get(url + "/openapi.json", timeout=2).status_code == 200:
+                    return url, proc
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"proxy not up after {timeout} s:\n{open(log_path).read()}")
+            time.sleep(0.3)
+    except BaseException:
+        stop(proc)
+        raise
+
+
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
     if proc.poll() is None:
         proc.send_signal(sig)

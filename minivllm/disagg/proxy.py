@@ -12,6 +12,10 @@ Every request is served in two stages, with the same ``X-Request-Id`` on both:
    ``kv_transfer_params``; it loads the prompt's KV, recomputes only the last prompt token, and
    its answer (a stream or not) goes back to the client as it comes.
 
+Bodies are validated with the server's own request models first: a malformed one is a 400 from
+the proxy (OpenAI's error JSON, ``error.param`` naming the field) and reaches no instance. A 4xx
+from an instance (a prompt too long for the model, an unknown model) reaches the client unchanged.
+
 Failures: a prefill instance that errors or times out is skipped and the request goes straight to
 a decode instance, which then computes the prompt itself (slower, same output). A decode instance
 that cannot be reached (or answers 5xx) is marked down for a while and the next one is tried; when
@@ -31,7 +35,13 @@ from typing import AsyncIterator, Optional
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+
+from minivllm.entrypoints.openai.errors import (error_response, generation_responses,
+                                                install_error_handlers, without_422)
+from minivllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
+                                                  CompletionRequest, CompletionResponse,
+                                                  ErrorResponse)
 
 
 @dataclass
@@ -59,10 +69,8 @@ class RoundRobin:
         return [i for i in ring if i.down_until <= now] + [i for i in ring if i.down_until > now]
 
 
-def _error(message: str, code: int) -> JSONResponse:
-    kind = {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(code, "InternalServerError")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
-                        status_code=code)
+def _error(message: str, code: int) -> Response:
+    return error_response(message, code)
 
 
 class DisaggProxy:
@@ -161,7 +169,7 @@ class DisaggProxy:
         insts = self.prefill.instances + self.decode.instances
         states = await asyncio.gather(*(ok(i) for i in insts))
         down = [i.url for i, s in zip(insts, states) if not s]
-        return _error(f"instances not ready: {down}", 503) if down else Response(status_code=200)
+        return _error(f"instances not ready: {down}", 503) if down else PlainTextResponse("")
 
 
 async def _relay(resp: httpx.Response) -> AsyncIterator[bytes]:
@@ -180,13 +188,21 @@ async def _relay(resp: httpx.Response) -> AsyncIterator[bytes]:
 
 def build_app(proxy: DisaggProxy) -> FastAPI:
     app = FastAPI(title="minivllm P/D proxy")
+    install_error_handlers(app)
+    faults = dict(server_fault="never from the proxy itself; a decode instance's 5xx is retried "
+                               "on the next one",
+                  overload="no decode instance answered")
 
-    @app.post("/v1/completions")
-    async def completions(raw: Request):
+    # The bodies are checked with the server's own models before anything is forwarded; what
+    # needs the model (the chat template, the context length) is checked by the prefill instance,
+    # whose 4xx is passed back. The instances get the client's JSON as sent, unknown fields too.
+    @app.post("/v1/completions", responses=generation_responses(CompletionResponse, **faults))
+    async def completions(body: CompletionRequest, raw: Request):
         return await proxy.handle("/v1/completions", raw)
 
-    @app.post("/v1/chat/completions")
-    async def chat(raw: Request):
+    @app.post("/v1/chat/completions",
+              responses=generation_responses(ChatCompletionResponse, **faults))
+    async def chat(body: ChatCompletionRequest, raw: Request):
         return await proxy.handle("/v1/chat/completions", raw)
 
     @app.get("/v1/models")
@@ -199,7 +215,10 @@ def build_app(proxy: DisaggProxy) -> FastAPI:
                 continue
         return _error("no decode instance answered.", 503)
 
-    @app.get("/health")
+    @app.get("/health", responses={
+        200: {"description": "Every instance is healthy",
+              "content": {"text/plain": {"schema": {"type": "string"}}}},
+        503: {"model": ErrorResponse, "description": "Some instance is not; names them"}})
     async def health():
         return await proxy.health()
 
@@ -207,6 +226,7 @@ def build_app(proxy: DisaggProxy) -> FastAPI:
     async def requests():
         return list(proxy.records)
 
+    without_422(app)
     return app
 
 

@@ -11,6 +11,7 @@ join the batch at the next step: this is continuous batching across HTTP request
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -93,7 +94,9 @@ class AsyncLLM:
         self.errored: Optional[BaseException] = None
         self._lock = threading.Lock()              # guards _inbox and _states
         self._inbox: list[tuple] = []
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, _RequestState] = {}   # by engine id
+        self._in_flight: set[str] = set()              # the callers' ids
+        self._serial = itertools.count()
         self._wakeup = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="minivllm-engine-loop", daemon=True)
@@ -125,35 +128,49 @@ class AsyncLLM:
         if not self.is_running:
             raise EngineDeadError(f"the engine loop is not running ({self.errored!r}).")
         state = _RequestState(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
+        # The engine's id is made unique, as vLLM's AsyncLLM does: a caller may reuse an id the
+        # moment its last output arrived (the P/D proxy sends prefill and decode the same
+        # X-Request-Id), while the engine may still hold the old request for a step.
+        engine_id = f"{request_id}-{next(self._serial)}"
         with self._lock:
-            if request_id in self._states:
+            if request_id in self._in_flight:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in flight; "
                                             "give each request its own id.")
             if len(self._states) >= self.max_pending_requests:
                 raise EngineOverloadedError(
                     f"server overloaded: {len(self._states)} requests in flight, the limit is "
                     f"max_pending_requests={self.max_pending_requests}; retry later.")
-            self._states[request_id] = state
-            self._inbox.append(("add", request_id, prompt, params))
+            self._in_flight.add(request_id)
+            self._states[engine_id] = state
+            self._inbox.append(("add", engine_id, prompt, params))
         self._wakeup.set()
         finished = False
         try:
             while True:
                 item = await state.queue.get()
+                # Outputs are cumulative: when this caller fell behind, only the newest counts
+                # (one SSE chunk carries all the new text instead of one chunk per step).
+                while not state.queue.empty() and isinstance(item, RequestOutput) \
+                        and not item.finished:
+                    item = state.queue.get_nowait()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
                 finished = item.finished
+                item.request_id = request_id      # a fresh object per step: the caller's id
                 yield item
                 if finished:
                     return
         finally:
+            with self._lock:
+                self._in_flight.discard(request_id)
             if not finished:
-                self.abort(request_id)
+                self.abort(engine_id)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, engine_id: str) -> None:
+        """Abort by the engine's id (``generate`` does it when its caller goes away)."""
         with self._lock:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(("abort", engine_id))
         self._wakeup.set()
 
     # ------------------------------------------------------------------ engine thread
@@ -220,4 +237,24 @@ class AsyncLLM:
             now = time.monotonic()
             for out in outputs:
                 self._record(out, now)
-                self._deliver(out.request_id, out, final=out.finished)
+            self._deliver_step(outputs)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """One wake-up of each event loop per step, not one per request: every
+        ``call_soon_threadsafe`` writes to the loop's self-pipe and hands the GIL over, which
+        stalls the engine thread between steps."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            for out in outputs:
+                state = (self._states.pop(out.request_id, None) if out.finished
+                         else self._states.get(out.request_id))
+                if state is not None:
+                    by_loop.setdefault(state.loop, []).append((state.queue, out))
+        for loop, items in by_loop.items():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

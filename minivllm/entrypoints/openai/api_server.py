@@ -19,52 +19,18 @@ import sys
 from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import PlainTextResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.engine.async_llm import AsyncLLM
+from minivllm.entrypoints.openai.errors import (error_response, generation_responses,
+                                                install_error_handlers, without_422)
 from minivllm.entrypoints.openai.metrics import render_metrics
 from minivllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                                   CompletionRequest, CompletionResponse,
                                                   ErrorResponse, ModelList, now)
-from minivllm.entrypoints.openai.serving import OpenAIServing, error_response
+from minivllm.entrypoints.openai.serving import OpenAIServing
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
-_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _field_path(loc: tuple) -> str:
-    """pydantic's error location as the client wrote it: ``messages.0.content`` (no ``body`` and
-    no union-branch tags such as ``str`` or ``list[TextContentPart]``)."""
-    parts = [str(x) for x in loc if x != "body" and not (
-        isinstance(x, str) and ("[" in x or x.lower() in _UNION_TAGS or x.startswith("function-")))]
-    return ".".join(parts)
-
-
-# One server-sent event, as OpenAPI 3.1 describes a stream's items; ``data`` is a JSON chunk of
-# the response object (``*.chunk``), or ``[DONE]`` last.
-SSE_EVENT = {"type": "object", "required": ["data"],
-             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
-
-
-def _generation_responses(ok_model: type) -> dict:
-    """The ``responses`` of a generation route for /openapi.json: every status it really returns
-    (a client that disconnects gets nothing, so its 499 is not listed)."""
-    err = {"model": ErrorResponse}
-    return {
-        200: {"model": ok_model, "description": "The result; with `stream: true`, server-sent "
-                                                "events ending in `data: [DONE]`",
-              "content": {"text/event-stream": {"schema": SSE_EVENT}}},
-        400: {**err, "description": "Malformed request; `error.param` names the field"},
-        404: {**err, "description": "Unknown `model`"},
-        500: {**err, "description": "Server fault (the engine loop died); the message names it"},
-        503: {**err, "description": "Overloaded: more requests in flight than "
-                                    "--max-pending-requests; retry later"},
-    }
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str) -> FastAPI:
@@ -72,25 +38,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str) -> FastAPI:
     serving = OpenAIServing(async_llm, served_model_name)
     app.state.async_llm = async_llm
 
-    @app.exception_handler(RequestValidationError)
-    async def _bad_body(_request: Request, exc: RequestValidationError):
-        # The deepest location: for a union (content as a string or a list of parts) that is the
-        # branch the client meant, e.g. ``messages.0.content.0.type`` rather than "not a string".
-        errors = exc.errors()
-        first = max(errors, key=lambda e: len(e.get("loc", ())), default={})
-        where = _field_path(tuple(first.get("loc", ())))
-        msg = first.get("msg", "invalid request body")
-        if first.get("type") == "missing" and not where:
-            msg = "missing; send a JSON object"
-        elif first.get("type") == "json_invalid":
-            msg, where = f"not valid JSON ({first.get('ctx', {}).get('error', msg)})", ""
-        return error_response(f"{where}: {msg}" if where else f"the request body: {msg}", 400,
-                              where or None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException):
-        # e.g. a body that is not UTF-8 ("There was an error parsing the body"), an unknown path
-        return error_response(str(exc.detail), exc.status_code)
+    install_error_handlers(app)
 
     @app.get("/health", responses={200: {"description": "The engine loop is running",
                                          "content": {"text/plain": {"schema": {"type": "string"}}}},
@@ -112,27 +60,15 @@ def build_app(async_llm: AsyncLLM, served_model_name: str) -> FastAPI:
         return PlainTextResponse(render_metrics(async_llm, served_model_name),
                                  media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions", responses=_generation_responses(CompletionResponse))
+    @app.post("/v1/completions", responses=generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, raw: Request):
         return await serving.create_completion(body, raw)
 
-    @app.post("/v1/chat/completions", responses=_generation_responses(ChatCompletionResponse))
+    @app.post("/v1/chat/completions", responses=generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await serving.create_chat_completion(body, raw)
 
-    def openapi() -> dict:
-        """FastAPI's spec minus its 422 (a bad body is a 400 here, as in vLLM and OpenAI)."""
-        if app.openapi_schema is None:
-            spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            for path in spec.get("paths", {}).values():
-                for op in path.values():
-                    op.get("responses", {}).pop("422", None)
-            for name in ("HTTPValidationError", "ValidationError"):
-                spec.get("components", {}).get("schemas", {}).pop(name, None)
-            app.openapi_schema = spec
-        return app.openapi_schema
-
-    app.openapi = openapi
+    without_422(app)
     return app
 
 

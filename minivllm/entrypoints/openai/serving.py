@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minivllm.engine.async_llm import (AsyncLLM, DuplicateRequestError, EngineDeadError,
                                        EngineOverloadedError)
+from minivllm.entrypoints.openai.errors import error_response
 from minivllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   error_body, now, random_uuid, usage_body)
 from minivllm.outputs import RequestOutput
@@ -29,17 +30,6 @@ class BadRequest(ValueError):
     def __init__(self, param: Optional[str], message: str) -> None:
         super().__init__(message)
         self.param = param
-
-
-def error_response(message: str, code: int = 400, param: Optional[str] = None) -> Response:
-    """OpenAI's error JSON. Escaped to ASCII: a message quoting the client's text (which JSON lets
-    carry lone surrogates) must still encode."""
-    err_type = {404: "NotFoundError", 405: "MethodNotAllowedError",
-                503: "ServiceUnavailableError"}.get(
-        code, "InternalServerError" if code >= 500 else "BadRequestError")
-    body = error_body(message, err_type, code, param)
-    return Response(json.dumps(body, ensure_ascii=True), status_code=code,
-                    media_type="application/json")
 
 
 class OpenAIServing:

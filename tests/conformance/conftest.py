@@ -42,7 +42,7 @@ def venv_problem() -> str | None:
     marker = venv / ".minivllm-vllm-ready"
     if not (venv / "bin" / "python").exists():
         return f"no vLLM venv at {venv}"
-    if not marker.exists() or marker.read_text().strip() != VLLM_VERSION:
+    if not marker.exists() or marker.read_text().split()[:1] != [VLLM_VERSION]:
         return f"the vLLM venv at {venv} is incomplete (no vLLM {VLLM_VERSION} ready marker)"
     return None
 

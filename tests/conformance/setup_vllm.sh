@@ -17,9 +17,10 @@ VENV="${MINIVLLM_VLLM_VENV:-$ROOT/.venv-vllm}"
 PY="${PYTHON:-python3}"
 VERSION="0.32.0"
 READY="$VENV/.minivllm-vllm-ready"
+STAMP="$VERSION shim-2"   # bumped when this script changes what it makes
 start=$(date +%s)
 
-if [ -f "$READY" ] && [ "$(cat "$READY")" = "$VERSION" ] && [ -x "$VENV/bin/vllm" ]; then
+if [ -f "$READY" ] && [ "$(cat "$READY")" = "$STAMP" ] && [ -x "$VENV/bin/vllm" ]; then
     echo "vLLM $VERSION venv already set up at $VENV (0 s)"
     exit 0
 fi
@@ -65,12 +66,14 @@ def _vllm_version(name):
     return "$VERSION+cpu" if name == "vllm" else _version(name)
 
 
-_md.version = _vllm_version
-from vllm.entrypoints.cli.main import main  # noqa: E402
+if __name__ == "__main__":
+    # The guard matters: \`vllm serve\` spawns its EngineCore, which re-runs this file as __mp_main__.
+    _md.version = _vllm_version
+    from vllm.entrypoints.cli.main import main
 
-sys.exit(main())
+    sys.exit(main())
 SHIM
 chmod +x "$VENV/bin/vllm"
 "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
-echo "$VERSION" > "$READY"
+echo "$STAMP" > "$READY"
 echo "vLLM $VERSION venv set up at $VENV in $(( $(date +%s) - start )) s"

@@ -1,10 +1,10 @@
-"""``python -m minivllm.bench {throughput,spec,pd,gpu,serve} [options]``: benchmarks that print side-by-side tables."""
+"""``python -m minivllm.bench {throughput,spec,pd,gpu,serve,vllm} [options]``: benchmarks that print side-by-side tables."""
 import importlib
 import sys
 
 BENCHMARKS = {"throughput": "minivllm.bench.throughput", "spec": "minivllm.bench.spec",
               "pd": "minivllm.bench.pd", "gpu": "minivllm.bench.gpu",
-              "serve": "minivllm.bench.serve"}
+              "serve": "minivllm.bench.serve", "vllm": "minivllm.bench.vllm"}
 
 
 def main() -> None:

@@ -92,24 +92,33 @@ def vllm_env() -> dict:
 
 
 class _Lock:
-    """``flock`` on LOCK_PATH, waiting at most ``timeout`` seconds (other vLLM users finish first)."""
+    """``flock`` on LOCK_PATH, waiting at most ``timeout`` seconds. A blocking wait (bounded by
+    SIGALRM) rather than polling: the kernel hands a released lock to a waiter already blocked
+    in flock, so a poller would keep losing it to ``flock`` commands of other vLLM users."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout, self.f = timeout, None
 
     def __enter__(self):
+        import threading
         self.f = open(LOCK_PATH, "a")
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return self
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    self.f.close()
-                    raise TimeoutError(f"{LOCK_PATH} held by another vLLM run for "
-                                       f"{self.timeout:.0f} s")
-                time.sleep(1.0)
+        if threading.current_thread() is not threading.main_thread():
+            fcntl.flock(self.f, fcntl.LOCK_EX)            # no alarm off the main thread
+            return self
+
+        def expired(*_):
+            raise TimeoutError(f"{LOCK_PATH} held by another vLLM run for {self.timeout:.0f} s")
+        previous = signal.signal(signal.SIGALRM, expired)
+        signal.alarm(int(self.timeout))
+        try:
+            fcntl.flock(self.f, fcntl.LOCK_EX)
+        except BaseException:
+            self.f.close()
+            raise
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+        return self
 
     def __exit__(self, *exc):
         fcntl.flock(self.f, fcntl.LOCK_UN)
@@ -201,3 +210,25 @@ def chat_prompts(conformance_model) -> list[list[int]]:
                                      add_generation_prompt=True) for t in GROUNDED[:4] + OPEN[:4]]
     # The template already holds the special tokens; add none (as minivllm's and vLLM's chat do).
     return [tok.encode(t, add_special_tokens=False) for t in texts]
+
+
+# Plain greedy decoding's length in cases a and b: 64 tokens plus the 5 a k=5 step can look past
+# max_tokens, so case b can replay each engine's drafts and acceptances from these outputs.
+PLAIN_MAX_TOKENS = 69
+
+
+@pytest.fixture(scope="session")
+def plain_greedy(vllm_side, conformance_model, chat_prompts) -> dict:
+    """``{"minivllm": [[ids]], "vllm": [[ids]], "vllm_top2": ..., "max_tokens"}``: plain greedy float32 outputs
+    of ``chat_prompts`` (``PLAIN_MAX_TOKENS``, ``ignore_eos``, one batch) in each engine; vLLM's
+    from ``vllm_side/a_greedy.py`` (one engine), with its top-2 logprobs per position."""
+    from minivllm import LLM, SamplingParams
+    llm = LLM(model=conformance_model, dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=PLAIN_MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], params, use_tqdm=False)
+    del llm
+    theirs = vllm_side("a_greedy.py", {"model": conformance_model, "prompts": chat_prompts,
+                                       "max_tokens": PLAIN_MAX_TOKENS, "dtype": "float32"})
+    return {"minivllm": [list(o.outputs[0].token_ids) for o in outs],
+            "vllm": theirs["outputs"], "vllm_top2": theirs["top2"],
+            "max_tokens": PLAIN_MAX_TOKENS}

@@ -1,0 +1,252 @@
+"""``python -m minivllm.bench vllm``: minivllm beside the real vLLM 0.32 (CPU build), same inputs.
+
+Two tables, on SmolLM2-135M-Instruct, greedy, every prompt given to both engines as the same
+token ids:
+- throughput, float32 and bfloat16: one request of 64 tokens, and ``bench throughput``'s 32 mixed
+  requests (prompts of 1-6 sentences, 16-96 output tokens, ``ignore_eos``), tokens/s of
+  ``generate`` after a warm-up;
+- n-gram speculative decoding with the article's config (k=3, prompt_lookup 3..5) on
+  ``bench spec``'s prompts (input-grounded and open, 2 prompts one at a time and 8 at once, up to
+  ``--max-tokens``, stopping at EOS): tokens/s and vLLM's counters (drafts, draft tokens,
+  accepted, per-position acceptance, mean acceptance length ``1 + accepted / drafts``).
+
+Each cell, (engine, dtype) for throughput and (engine, prompt kind) for spec, runs in its own
+process; the cells alternate between the engines, so a change in machine load hits both alike.
+vLLM runs from its own venv (``bash tests/conformance/setup_vllm.sh``; ``MINIVLLM_VLLM_VENV``)
+with ``enforce_eager=True`` and a 1 GiB KV cache, under ``flock /tmp/minivllm-vllm.lock``. This
+file is also the vLLM-side script: run by the vLLM venv's python it imports only vLLM.
+Ratios from one run are what count, not absolute numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 3,
+         "prompt_lookup_max": 5}
+METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+           "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
+
+
+# ---------------------------------------------------------------------------------------------
+# One cell, in either engine. ``cell``: {"engine", "kind": "throughput"|"spec", "dtype",
+# "model", "workloads": {name: [[prompt ids], [max_tokens], ignore_eos]}}.
+
+def _counters(llm) -> dict:
+    out = {}
+    for m in llm.get_metrics():
+        if m.name in METRICS:
+            out[m.name] = list(m.values) if hasattr(m, "values") else int(m.value)
+    return out
+
+
+def run_cell(cell: dict) -> dict:
+    spec = NGRAM if cell["kind"] == "spec" else None
+    if cell["engine"] == "vllm":
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        llm = LLM(model=cell["model"], dtype=cell["dtype"], enforce_eager=True,
+                  disable_log_stats=False, speculative_config=spec, max_model_len=2048, seed=0)
+
+        def gen(prompts, params):
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                use_tqdm=False)
+            return [list(o.outputs[0].token_ids) for o in outs]
+    else:
+        from minivllm import LLM, SamplingParams
+        llm = LLM(model=cell["model"], dtype=cell["dtype"], speculative_config=spec)
+
+        def gen(prompts, params):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+            return [list(o.outputs[0].token_ids) for o in outs]
+    gen([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=8))       # warm-up
+    results = {}
+    for name, (prompts, max_tokens, ignore_eos) in cell["workloads"].items():
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos)
+                  for n in max_tokens]
+        groups = [[i] for i in range(len(prompts))] if name.endswith(":1") else \
+            [list(range(len(prompts)))]
+        before = _counters(llm) if spec else {}
+        t0 = time.perf_counter()
+        outputs = []
+        for g in groups:
+            outputs += gen([prompts[i] for i in g], [params[i] for i in g])
+        seconds = time.perf_counter() - t0
+        res = {"seconds": seconds, "tokens": sum(map(len, outputs)), "outputs": outputs}
+        if spec:
+            after = _counters(llm)
+            res["counters"] = {n: ([a - b for a, b in zip(after[n], before[n])]
+                                   if isinstance(after[n], list) else after[n] - before[n])
+                               for n in METRICS}
+        results[name] = res
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver (minivllm's venv).
+
+def vllm_python() -> str:
+    venv = os.environ.get("MINIVLLM_VLLM_VENV") or os.path.join(ROOT, ".venv-vllm")
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(os.path.join(venv, ".minivllm-vllm-ready")):
+        raise SystemExit(f"no vLLM venv at {venv}: create it with "
+                         "`bash tests/conformance/setup_vllm.sh` (or set MINIVLLM_VLLM_VENV)")
+    return python
+
+
+def vllm_env() -> dict:
+    """vLLM's CPU build on a small machine (shared/reference/vllm_cpu.md); no minivllm on its path."""
+    cpus = sorted(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}-{cpus[-1]}",
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_USE_AOT_COMPILE="0",
+               VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return env
+
+
+def run_in_process(cell: dict, timeout: float) -> dict:
+    """One cell in a fresh process (vLLM's venv for vLLM), its whole process group killed by id
+    on timeout."""
+    with tempfile.TemporaryDirectory(prefix="minivllm-bench-vllm-") as tmp:
+        inp, out = os.path.join(tmp, "cell.json"), os.path.join(tmp, "out.json")
+        with open(inp, "w") as f:
+            json.dump(cell, f)
+        if cell["engine"] == "vllm":
+            cmd, env = [vllm_python(), os.path.abspath(__file__), "--cell", inp, out], vllm_env()
+        else:
+            cmd, env = [sys.executable, "-m", "minivllm.bench", "vllm", "--cell", inp, out], None
+        log = open(os.path.join(tmp, "log.txt"), "w+")
+        proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            try:
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        log.seek(0)
+        if rc != 0 or not os.path.exists(out):
+            raise SystemExit(f"cell {cell['engine']} {cell['kind']} {cell['dtype']} failed "
+                             f"(rc={rc}):\n{log.read()[-3000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def _cli_cell(argv: list[str]) -> None:
+    with open(argv[0]) as f:
+        cell = json.load(f)
+    with open(argv[1], "w") as f:
+        json.dump(run_cell(cell), f)
+
+
+def _workloads(tok, kind: str, max_tokens: int) -> dict:
+    """name -> (prompt ids, max_tokens per prompt, ignore_eos); names ending ":1" run one at a time."""
+    if kind == "throughput":
+        from minivllm.bench.throughput import BASE_TEXT, QUESTIONS, make_workload
+        single = [(BASE_TEXT * 2 + QUESTIONS[0], 64)]
+        return {name: ([tok.encode(p) for p, _ in work], [n for _, n in work], True)
+                for name, work in (("1 request:1", single),
+                                   ("32 requests, mixed", make_workload(32)))}
+    from minivllm.bench.spec import GROUNDED, OPEN
+
+    def chat(text):
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}],
+                                                  tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)
+    texts = GROUNDED if kind == "grounded" else OPEN
+    return {f"{kind}:1": ([chat(t) for t in texts[:2]], [max_tokens] * 2, False),
+            f"{kind}:8": ([chat(t) for t in texts[:8]], [max_tokens] * 8, False)}
+
+
+def _spec_row(engine: str, name: str, res: dict) -> str:
+    c = res["counters"]
+    drafts, accepted = c[METRICS[0]], c[METRICS[2]]
+    per_pos = " ".join(f"{n / drafts:.2f}" for n in c[METRICS[3]]) if drafts else "-"
+    acc = f"{1 + accepted / drafts:.2f}" if drafts else "-"
+    kind, batch = name.split(":")
+    return (f"{kind:<9}{batch:>6}  {engine:<9}{res['tokens'] / res['seconds']:>8.1f}{drafts:>8}"
+            f"{c[METRICS[1]]:>8}{accepted:>9}  {per_pos:<15}{acc:>8}")
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--cell"]:
+        return _cli_cell(argv[1:])
+    ap = argparse.ArgumentParser(prog="python -m minivllm.bench vllm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--max-tokens", type=int, default=128, help="spec table: tokens per request")
+    ap.add_argument("--no-spec", action="store_true", help="skip the n-gram table")
+    ap.add_argument("--no-throughput", action="store_true", help="skip the throughput table")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per cell")
+    args = ap.parse_args(argv)
+    vllm_python()                                   # fail now, with the fix, if vLLM is absent
+    from tqdm.auto import tqdm
+
+    from minivllm.model_executor.model_loader import load_tokenizer, resolve_model_path
+    path = resolve_model_path(args.model)
+    tok = load_tokenizer(path)
+    cells = []
+    if not args.no_throughput:
+        cells += [("throughput", d) for d in args.dtypes.split(",")]
+    if not args.no_spec:
+        cells += [("grounded", "float32"), ("open", "float32")]
+    jobs = []
+    for i, (kind, dtype) in enumerate(cells):     # alternate which engine goes first
+        for engine in (("minivllm", "vllm") if i % 2 == 0 else ("vllm", "minivllm")):
+            jobs.append((engine, kind, dtype))
+    results = {}
+    for engine, kind, dtype in tqdm(jobs, desc="cells (one process each)", dynamic_ncols=True):
+        cell = {"engine": engine, "kind": "throughput" if kind == "throughput" else "spec",
+                "dtype": dtype, "model": path,
+                "workloads": _workloads(tok, kind, args.max_tokens)}
+        results[(engine, kind, dtype)] = run_in_process(cell, args.timeout)
+
+    print(f"\n{args.model} on the CPU ({len(os.sched_getaffinity(0))} cores, load average "
+          f"{os.getloadavg()[0]:.1f}), greedy; vLLM 0.32.0 CPU build, enforce_eager")
+    if not args.no_throughput:
+        print(f"\n{'dtype':9} {'workload':20} {'minivllm tok/s':>15} {'vLLM tok/s':>11} "
+              f"{'minivllm/vLLM':>14}  same outputs")
+        for dtype in args.dtypes.split(","):
+            mv, vl = results[("minivllm", "throughput", dtype)], results[("vllm", "throughput",
+                                                                          dtype)]
+            for name in mv:
+                a, b = mv[name], vl[name]
+                ta, tb = a["tokens"] / a["seconds"], b["tokens"] / b["seconds"]
+                same = sum(x == y for x, y in zip(a["outputs"], b["outputs"]))
+                print(f"{dtype:9} {name.replace(':1', ''):20} {ta:15.1f} {tb:11.1f} "
+                      f"{ta / tb:13.2f}x  {same}/{len(a['outputs'])}")
+    if not args.no_spec:
+        print(f"\nn-gram, k={NGRAM['num_speculative_tokens']}, prompt_lookup "
+              f"{NGRAM['prompt_lookup_min']}..{NGRAM['prompt_lookup_max']}, float32, up to "
+              f"{args.max_tokens} tokens (EOS stops)")
+        print(f"{'prompts':<9}{'batch':>6}  {'engine':<9}{'tok/s':>8}{'drafts':>8}{'drafted':>8}"
+              f"{'accepted':>9}  {'acc per pos':<15}{'acc len':>8}")
+        for kind in ("grounded", "open"):
+            for name in results[("minivllm", kind, "float32")]:
+                for engine in ("minivllm", "vllm"):
+                    print(_spec_row(engine, name, results[(engine, kind, "float32")][name]))
+            print()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--cell"]:
+        # The vLLM venv runs this file directly. Its folder (minivllm/bench, first on sys.path)
+        # holds this vllm.py, which would shadow the real vllm package.
+        here = os.path.dirname(os.path.abspath(__file__))
+        sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != here]
+        _cli_cell(sys.argv[2:])
+    else:
+        main(sys.argv[1:])

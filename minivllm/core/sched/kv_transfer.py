@@ -68,13 +68,8 @@ class KVTransferMixin:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue
-            if request in self.running:
-                self.running.remove(request)
-            elif request in self.waiting:
-                self.waiting.remove(request)
-            request.status = RequestStatus.FINISHED_ERROR
             trace.record("kv_load_failed", req_id=req_id, policy="fail")
-            self._free_request(request)
+            self.finish_requests([req_id], RequestStatus.FINISHED_ERROR)
             outputs.append((request, []))
         return outputs
 

@@ -31,6 +31,19 @@ if TYPE_CHECKING:
     from minivllm.request import Request
 
 
+def checked_extra_config(ktc: Any, allowed: tuple[str, ...], connector: str) -> dict[str, Any]:
+    """``ktc.kv_connector_extra_config``, checked to be a dict holding only ``allowed`` keys (a
+    ``ValueError`` naming the unknown ones otherwise); each connector then checks its values."""
+    extra = ktc.kv_connector_extra_config
+    if not isinstance(extra, dict):
+        raise ValueError("kv_transfer_config.kv_connector_extra_config must be a dict.")
+    unknown = sorted(set(extra) - set(allowed))
+    if unknown:
+        raise ValueError(f"kv_transfer_config.kv_connector_extra_config has unknown keys {unknown}; "
+                         f"{connector} accepts {list(allowed)}.")
+    return extra
+
+
 class KVConnectorRole(enum.Enum):
     SCHEDULER = 0
     WORKER = 1

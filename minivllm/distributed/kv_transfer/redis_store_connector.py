@@ -33,6 +33,7 @@ import torch
 
 from minivllm.distributed.kv_transfer import redis_store, storage
 from minivllm.distributed.kv_transfer.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                   checked_extra_config,
                                                    KVConnectorRole)
 from minivllm.distributed.kv_transfer.redis_store import Chunk
 from minivllm.distributed.kv_transfer.redis_store_worker import RedisStoreWorkerMixin
@@ -126,14 +127,8 @@ class RedisStoreConnector(RedisStoreWorkerMixin, KVConnectorBase_V1):
 
     @classmethod
     def validate_kv_transfer_config(cls, ktc: Any) -> None:
-        extra = ktc.kv_connector_extra_config
+        extra = checked_extra_config(ktc, EXTRA_CONFIG_KEYS, "RedisStoreConnector")
         name = "kv_transfer_config.kv_connector_extra_config"
-        if not isinstance(extra, dict):
-            raise ValueError(f"{name} must be a dict.")
-        unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
-        if unknown:
-            raise ValueError(f"{name} has unknown keys {unknown}; RedisStoreConnector accepts "
-                             f"{list(EXTRA_CONFIG_KEYS)}.")
         url = extra.get("url")
         if url is not None and (not isinstance(url, str) or not url.startswith(URL_SCHEMES)):
             raise ValueError(f"{name}['url'] must start with one of {URL_SCHEMES}, got {url!r}.")

@@ -33,6 +33,7 @@ import torch
 
 from minivllm.distributed.kv_transfer import storage
 from minivllm.distributed.kv_transfer.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                   checked_extra_config,
                                                    KVConnectorRole)
 from minivllm.distributed.kv_transfer.shared_storage_worker import SharedStorageWorkerMixin
 
@@ -114,13 +115,7 @@ class SharedStorageConnector(SharedStorageWorkerMixin, KVConnectorBase_V1):
 
     @classmethod
     def validate_kv_transfer_config(cls, ktc: Any) -> None:
-        extra = ktc.kv_connector_extra_config
-        if not isinstance(extra, dict):
-            raise ValueError("kv_transfer_config.kv_connector_extra_config must be a dict.")
-        unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
-        if unknown:
-            raise ValueError(f"kv_transfer_config.kv_connector_extra_config has unknown keys {unknown}; "
-                             f"SharedStorageConnector accepts {list(EXTRA_CONFIG_KEYS)}.")
+        extra = checked_extra_config(ktc, EXTRA_CONFIG_KEYS, "SharedStorageConnector")
         for key in ("layerwise", "verify_on_lookup"):
             if not isinstance(extra.get(key, True), bool):
                 raise ValueError(f"kv_transfer_config.kv_connector_extra_config['{key}'] must be a bool.")

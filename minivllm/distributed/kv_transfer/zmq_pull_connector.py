@@ -43,6 +43,7 @@ from typing import Any, Optional
 
 from minivllm.distributed.kv_transfer import storage
 from minivllm.distributed.kv_transfer.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                   checked_extra_config,
                                                    KVConnectorRole)
 from minivllm.distributed.kv_transfer.zmq_pull_worker import ZmqPullWorkerMixin, request
 
@@ -115,14 +116,8 @@ class ZmqPullConnector(ZmqPullWorkerMixin, KVConnectorBase_V1):
 
     @classmethod
     def validate_kv_transfer_config(cls, ktc: Any) -> None:
-        extra = ktc.kv_connector_extra_config
+        extra = checked_extra_config(ktc, EXTRA_CONFIG_KEYS, "ZmqPullConnector")
         name = "kv_transfer_config.kv_connector_extra_config"
-        if not isinstance(extra, dict):
-            raise ValueError(f"{name} must be a dict.")
-        unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
-        if unknown:
-            raise ValueError(f"{name} has unknown keys {unknown}; ZmqPullConnector accepts "
-                             f"{list(EXTRA_CONFIG_KEYS)}.")
         port = extra.get("side_channel_port", 0)
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
             raise ValueError(f"{name}['side_channel_port'] must be a TCP port (0 = pick a free one), "

@@ -189,6 +189,7 @@ class ModelRunner:
             if self.use_async_scheduling and drafts:
                 # The scheduler sent -1 placeholders: our own proposals go in their place.
                 drafts = substitute_drafts(drafts, self._req_draft_token_ids.get(req_id, ()))
+                trace.record("spec_substitute", req_id=req_id, drafts=list(drafts))
             start = batch.num_tokens_no_spec[row]
             batch.token_ids_cpu[row, start:start + len(drafts)] = drafts
             batch.num_tokens[row] = start + len(drafts)

@@ -1,7 +1,8 @@
 """``LLM(..., async_scheduling=True)``, vLLM 0.32's asynchronous scheduling (DESIGN §5.4): outputs
-identical to the default for n-gram and EAGLE, greedy and seeded; ``request.spec_token_ids`` holds -1
-placeholders (step records) while the worker feeds its own drafts; the engine never calls
-``take_draft_token_ids``; -1 drafts are rejected by both rejection backends and count in the metrics."""
+identical to the default for n-gram, EAGLE and the draft model, greedy and seeded;
+``request.spec_token_ids`` holds -1 placeholders (step records) while the worker feeds its own
+drafts; the engine never calls ``take_draft_token_ids``; -1 drafts are rejected by both rejection
+backends and count in the metrics."""
 from __future__ import annotations
 
 import pytest
@@ -28,6 +29,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def target(tmp_path_factory) -> str:
     return make_tiny_llama(tmp_path_factory.mktemp("async_target"), seed=3, num_hidden_layers=2,
                            num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory) -> str:
+    return make_tiny_llama(tmp_path_factory.mktemp("async_draft"), seed=7, num_hidden_layers=1,
+                           hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                           num_key_value_heads=1)
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +75,13 @@ def no_take(llm):
 @pytest.mark.parametrize("kind,variant", [
     ("ngram", {}), ("ngram", dict(max_num_batched_tokens=7, max_num_seqs=3)),
     ("ngram", dict(num_gpu_blocks_override=24)), ("eagle", {}),
-    ("eagle", dict(max_num_batched_tokens=7, max_num_seqs=3)), ("eagle_probabilistic", {})])
-def test_outputs_identical_to_sync(kind, variant, target, eagle_head):
+    ("eagle", dict(max_num_batched_tokens=7, max_num_seqs=3)), ("eagle_probabilistic", {}),
+    ("draft_model", {})])
+def test_outputs_identical_to_sync(kind, variant, target, eagle_head, draft_dir):
     spec = NGRAM if kind == "ngram" else dict(method="eagle", model=eagle_head,
                                               num_speculative_tokens=3)
+    if kind == "draft_model":
+        spec = dict(method="draft_model", model=draft_dir, num_speculative_tokens=3)
     if kind == "eagle_probabilistic":
         spec = dict(spec, draft_sample_method="probabilistic")
     # Seeded outputs are identical where the token budget and the KV blocks do not bind: under

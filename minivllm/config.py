@@ -61,6 +61,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 4096
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
+    # vLLM 0.32's SchedulerConfig.async_scheduling: AsyncScheduler (core/sched/async_scheduler.py).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

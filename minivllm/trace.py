@@ -17,6 +17,10 @@ Event kinds (each a plain dict with ``"kind"`` plus the fields listed):
   KV load starts: the request enters WAITING_FOR_REMOTE_KVS)
 - ``"remote_kv_ready"``: req_id, num_computed_tokens (its load was reported: back to WAITING)
 - ``"spec_propose"``: drafts {req_id: [token ids]}
+- ``"spec_token_ids"``: spec_token_ids {req_id: request.spec_token_ids} of the running requests at
+  the end of the step (the drafts, or -1 placeholders with ``async_scheduling``)
+- ``"spec_substitute"``: req_id, drafts (async scheduling: the runner's own drafts written over the
+  scheduled placeholders, -1 where it had none)
 - ``"spec_draft_pass"``: one per EAGLE / EAGLE-3 draft pass: method, pass_idx (0 = the pass over the
   target's tokens), req_ids, query_start_loc, positions, slot_mapping (-1 = write skipped),
   input_ids, draft_token_ids; Medusa: method, pass_idx 0, req_ids, hidden_state_rows,

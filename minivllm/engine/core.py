@@ -3,13 +3,20 @@
 scheduler through their own call, after the outputs: ``take_draft_token_ids`` →
 ``update_draft_token_ids``).
 
+With ``async_scheduling`` (vLLM 0.32's default for EAGLE and the draft model on GPU) the scheduler is
+an ``AsyncScheduler`` (core/sched/async_scheduler.py) and ``post_step`` takes no drafts: they stay in
+the worker, as vllm/v1/engine/core.py ``post_step`` skips ``take_draft_token_ids`` when async. vLLM
+also overlaps scheduling with the forward (``step_with_batch_queue``); minivllm's step stays serial.
+
 Set a breakpoint in ``Scheduler.schedule`` and call ``step()``: everything runs in this process.
 """
 from __future__ import annotations
 
 from typing import Callable, Optional
 
+from minivllm import trace
 from minivllm.config import VllmConfig
+from minivllm.core.sched.async_scheduler import AsyncScheduler
 from minivllm.core.sched.scheduler import Scheduler
 from minivllm.request import Request
 from minivllm.trace import Tracer
@@ -25,7 +32,9 @@ class EngineCore:
         self.worker.load_model()
         num_gpu_blocks = self.worker.determine_num_available_blocks()
         self.worker.initialize_cache(num_gpu_blocks)
-        self.scheduler = Scheduler(vllm_config, num_gpu_blocks, detokenize=detokenize)
+        self.async_scheduling = vllm_config.scheduler_config.async_scheduling
+        scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(vllm_config, num_gpu_blocks, detokenize=detokenize)
         self.tracer = Tracer()
         self.step_index = 0
 
@@ -52,10 +61,16 @@ class EngineCore:
             model_output = self.worker.execute_model(scheduler_output)
             outputs = self.scheduler.update_from_output(scheduler_output, model_output)
             self.post_step()
+            if trace.is_recording() and self.scheduler.num_spec_tokens:
+                # What the next schedule() reads: drafts (default) or -1 placeholders (async).
+                trace.record("spec_token_ids", spec_token_ids={
+                    r.request_id: list(r.spec_token_ids) for r in self.scheduler.running})
         self.step_index += 1
         return outputs
 
     def post_step(self) -> None:
+        if self.async_scheduling:
+            return   # the worker substitutes its drafts for the placeholders itself
         draft_token_ids = self.worker.take_draft_token_ids()
         if draft_token_ids is not None:
             self.scheduler.update_draft_token_ids(draft_token_ids)

@@ -25,6 +25,20 @@ DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 class LLM:
+    """Offline generation. The arguments are vLLM's (``speculative_config``, ``kv_transfer_config``,
+    ``block_size``, ``max_num_seqs`` ...) unless noted.
+
+    ``async_scheduling=True`` is vLLM 0.32's asynchronous scheduling (``SchedulerConfig.async_scheduling``,
+    vllm/v1/core/sched/async_scheduler.py; on by default there for EAGLE and the draft model on GPU).
+    The scheduler then holds ``[-1] * k`` placeholders in ``request.spec_token_ids`` instead of the
+    drafts, and the engine skips ``take_draft_token_ids`` / ``update_draft_token_ids``
+    (vllm/v1/engine/core.py ``post_step``); the model runner keeps its last proposals and writes them
+    over the placeholders in the next step's input (vllm/v1/worker/gpu_model_runner.py). Placeholders
+    it has no draft for stay -1, are rejected and count as drafted tokens in the spec metrics, as in
+    vLLM. Outputs are identical to the default (``False``, the article's flow). minivllm runs the step
+    after the previous one finished, so there is no CPU/GPU overlap to gain: the option shows the
+    data flow, not the speed-up.
+    """
     def __init__(
         self,
         model: str = DEFAULT_MODEL,
@@ -44,6 +58,7 @@ class LLM:
         kv_cache_memory_bytes: Optional[int] = None,
         enable_chunked_prefill: bool = True,
         break_at: Optional[Sequence[str]] = None,   # article-step breakpoints (minivllm/steps.py)
+        async_scheduling: bool = False,
     ) -> None:
         __import__("minivllm.steps").steps.configure(break_at)   # unknown id: ValueError, before any work
         # 1. Plain argument checks: nothing is loaded yet.
@@ -89,7 +104,8 @@ class LLM:
             max_num_batched_tokens = max(4096, min(model_config.max_model_len, 8192))
         sched_config = SchedulerConfig(max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=max_num_batched_tokens,
-                                       enable_chunked_prefill=enable_chunked_prefill)
+                                       enable_chunked_prefill=enable_chunked_prefill,
+                                       async_scheduling=bool(async_scheduling))
         tokenizer = None if skip_tokenizer_init else load_tokenizer(model_path)
         if spec is not None and spec.method == "draft_model" and spec.model is not None:
             from minivllm.spec_decode.draft_model import validate_draft_model

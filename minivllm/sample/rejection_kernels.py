@@ -71,16 +71,19 @@ def rejection_random_sample_kernel(
             if not rejected:
                 token_idx = start_idx + pos
                 draft_id = tl.load(draft_token_ids_ptr + token_idx)
-                prob_offset = token_idx.to(tl.int64) * vocab_size + draft_id
-                target_prob = tl.load(target_probs_ptr + prob_offset)
+                # A -1 placeholder is rejected; its probabilities are never read.
+                real = draft_id >= 0
+                prob_offset = token_idx.to(tl.int64) * vocab_size + tl.maximum(draft_id, 0)
+                target_prob = tl.load(target_probs_ptr + prob_offset, mask=real, other=0.0)
                 uniform = tl.load(uniform_probs_ptr + token_idx)
                 if NO_DRAFT_PROBS:
                     # A one-hot draft has p_draft = 1: accept with probability p_target(draft).
-                    accept = target_prob >= uniform
+                    accept = real & (target_prob >= uniform)
                 else:
-                    draft_prob = tl.load(draft_probs_ptr + prob_offset)
+                    draft_prob = tl.load(draft_probs_ptr + prob_offset, mask=real, other=0.0)
                     # IEEE division so that compiled kernels match the torch reference bit for bit.
-                    accept = (draft_prob > 0) & (tl.div_rn(target_prob, draft_prob) >= uniform)
+                    accept = real & (draft_prob > 0) & (
+                        tl.div_rn(target_prob, tl.where(real, draft_prob, 1.0)) >= uniform)
                 if accept:
                     token_id = draft_id
                 else:
@@ -114,10 +117,11 @@ def sample_recovered_tokens_kernel(
             mask = cols < vocab_size
             prob = tl.load(target_probs_ptr + row + cols, mask=mask, other=0.0)
             if NO_DRAFT_PROBS:
-                prob = tl.where(cols == draft_id, 0.0, prob)
+                prob = tl.where(cols == draft_id, 0.0, prob)   # never true for a -1 placeholder
             else:
                 draft_prob = tl.load(draft_probs_ptr + row + cols, mask=mask, other=0.0)
-                prob = tl.maximum(prob - draft_prob, 0.0)
+                # A -1 placeholder drafted nothing: recover from p_target itself.
+                prob = tl.where(draft_id >= 0, tl.maximum(prob - draft_prob, 0.0), prob)
             q = tl.load(q_ptr + q_row + cols, mask=mask, other=1.0)
             score = tl.where(mask, tl.div_rn(prob, q), -1.0)
             block_best = tl.max(score, axis=0)

@@ -15,7 +15,10 @@ or the *bonus* token when every draft passed), then ``PLACEHOLDER_TOKEN_ID`` (-1
 Random rows accept draft x iff ``p_draft(x) > 0`` and ``p_target(x) / p_draft(x) >= u``, ``u ~ U[0, 1)``;
 on rejection the recovered token is drawn from ``max(p_target - p_draft, 0)`` (normalised implicitly by
 the exponential race). Each output position is then distributed exactly as the target (Leviathan et
-al. 2023). The random draws are made here in torch, once; the torch reference functions below and the
+al. 2023). A draft id of -1 (``PLACEHOLDER_TOKEN_ID``: an async-scheduling placeholder with no
+real draft behind it, vLLM 0.32's rejection_sampler.py ``draft_token_id < 0``) is always rejected, on
+greedy and random rows and in both backends, and its recovered token comes from ``p_target`` alone;
+no kernel reads a probability at index -1. The random draws are made here in torch, once; the torch reference functions below and the
 Triton kernels in ``rejection_kernels.py`` then compute the same outputs from them.
 """
 from __future__ import annotations
@@ -49,13 +52,15 @@ def expand_batch_to_tokens_torch(x, cu_num_tokens, num_tokens, max_spec_len, rep
 
 
 def random_accept_mask(draft_token_ids, draft_probs, target_probs, uniform_probs) -> torch.Tensor:
-    """Per draft token: does it pass ``p_d > 0 and p_t / p_d >= u`` (float32 ratio, float64 compare)?"""
-    idx = draft_token_ids.long().unsqueeze(-1)
+    """Per draft token: does it pass ``p_d > 0 and p_t / p_d >= u`` (float32 ratio, float64 compare)?
+    A -1 placeholder never passes."""
+    real = draft_token_ids >= 0
+    idx = draft_token_ids.long().clamp(min=0).unsqueeze(-1)
     p_target = target_probs.gather(-1, idx).squeeze(-1)
     if draft_probs is None:
-        return p_target >= uniform_probs
+        return real & (p_target >= uniform_probs)
     p_draft = draft_probs.gather(-1, idx).squeeze(-1)
-    return (p_draft > 0) & (p_target / p_draft >= uniform_probs)
+    return real & (p_draft > 0) & (p_target / p_draft >= uniform_probs)
 
 
 def _write_left_to_right(output, rows, cu_num_draft_tokens, draft_token_ids, accepted, rejected_token,
@@ -102,11 +107,14 @@ def rejection_random_sample_torch(output_token_ids, cu_num_draft_tokens, draft_t
 
 def sample_recovered_tokens_torch(cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, q,
                                   max_spec_len) -> torch.Tensor:
-    idx = draft_token_ids.long().unsqueeze(-1)
+    real = (draft_token_ids >= 0).unsqueeze(-1)
+    idx = draft_token_ids.long().clamp(min=0).unsqueeze(-1)
     if draft_probs is None:
         prob = target_probs.scatter(-1, idx, 0.0)
     else:
         prob = (target_probs - draft_probs).clamp_min(0.0)
+    # A placeholder drafted nothing: its recovered token is drawn from p_target itself.
+    prob = torch.where(real, prob, target_probs)
     counts = torch.diff(cu_num_draft_tokens.long(), prepend=cu_num_draft_tokens.new_zeros(1).long())
     q_per_token = q.repeat_interleave(counts, dim=0, output_size=draft_token_ids.numel())
     return (prob / q_per_token).argmax(dim=-1).to(draft_token_ids.dtype)
@@ -266,7 +274,7 @@ def _build_record(metadata, draft_probs, target_probs, target_argmax, uniform_pr
                   output) -> list[list[dict]]:
     """The per-position decisions, gathered from the same tensors the kernels read."""
     draft = metadata.draft_token_ids.long()
-    idx = draft.unsqueeze(-1)
+    idx = draft.clamp(min=0).unsqueeze(-1)
     counts = torch.tensor(metadata.num_draft_tokens, dtype=torch.long, device=draft.device)
     greedy_tok = is_greedy.repeat_interleave(counts, output_size=draft.numel())
     accepted = draft == target_argmax
@@ -274,8 +282,9 @@ def _build_record(metadata, draft_probs, target_probs, target_argmax, uniform_pr
         accepted = torch.where(greedy_tok, accepted,
                                random_accept_mask(draft, draft_probs, target_probs, uniform_probs))
     p_target = target_probs.gather(-1, idx).squeeze(-1).tolist()
-    p_draft = ([1.0] * draft.numel() if draft_probs is None
-               else draft_probs.gather(-1, idx).squeeze(-1).tolist())
+    p_draft = (torch.ones(draft.shape) if draft_probs is None
+               else draft_probs.gather(-1, idx).squeeze(-1).cpu())
+    p_draft = torch.where(draft.cpu() >= 0, p_draft, 0.0).tolist()   # a -1 placeholder: nothing drafted
     uniform = None if uniform_probs is None else uniform_probs.tolist()
     greedy_tok, accepted, draft, out = greedy_tok.tolist(), accepted.tolist(), draft.tolist(), output.tolist()
     records, start = [], 0

@@ -7,6 +7,11 @@ that had drafts (``num_accepted = len(generated_token_ids) - 1``). Reported as v
 - draft acceptance rate ``accepted / drafted * 100`` (percent).
 Counters behind the metrics ``spec_decode_num_drafts``, ``spec_decode_num_draft_tokens``,
 ``spec_decode_num_accepted_tokens`` and ``spec_decode_num_accepted_tokens_per_pos``.
+
+With ``async_scheduling`` the scheduler sees only ``-1`` placeholders, so ``num_draft_tokens`` counts
+every scheduled placeholder, the ones the worker had no draft for included (always rejected), as
+vLLM 0.32's scheduler.py does (it counts ``len(scheduled_spec_token_ids)``): the same run reports the
+same accepted tokens and more drafted ones than with synchronous scheduling.
 """
 from __future__ import annotations
 

@@ -11,6 +11,11 @@ vLLM today (0.32): Model Runner V1 splits this step in two. ``execute_model`` ru
 returns ``None``; ``sample_tokens`` samples, rejects and drafts (EAGLE and the draft model propose
 *before* ``_bookkeeping_sync`` there, n-gram and Medusa after it). Model Runner V2
 (v1/worker/gpu/, the GPU default) has none of the article's names except ``take_draft_token_ids``.
+
+With ``async_scheduling`` (vLLM 0.32's AsyncScheduler) the scheduled drafts are -1 placeholders: the
+runner keeps its last proposals per request (``_req_draft_token_ids``) and writes them over the
+placeholders in ``_update_states``, as gpu_model_runner.py's ``_prepare_input_ids`` does
+(worker/async_drafts.py).
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from minivllm.sample.sampler import Sampler
 from minivllm.spec_decode.metadata import SpecDecodeMetadata
 from minivllm.spec_decode.utils import TargetStepOutputs
 from minivllm.steps import BREAKS, at_step
+from minivllm.worker.async_drafts import drop_placeholder_drafts, num_real_drafts, substitute_drafts
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
 
 
@@ -66,6 +72,9 @@ class ModelRunner:
         self._draft_token_ids: Optional[dict[str, list[int]]] = None
         self._draft_probs: dict[str, torch.Tensor] = {}   # req_id -> [num_drafts, vocab]
         self.defer_finalize = False   # set in initialize_kv_cache
+        # Async scheduling: the drafts never reach the scheduler; req_id -> last proposals.
+        self.use_async_scheduling = vllm_config.scheduler_config.async_scheduling
+        self._req_draft_token_ids: dict[str, list[int]] = {}
 
         # Spec decode, article "Setup / init device": create the drafter and the rejection sampler.
         self.speculative_config = vllm_config.speculative_config
@@ -139,6 +148,7 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            self._req_draft_token_ids.pop(req_id, None)
         # Unscheduled requests leave the persistent batch (they keep their CachedRequestState).
         batch.remove_requests({r for r in batch.req_ids if r not in so.num_scheduled_tokens})
         for new in so.scheduled_new_reqs:
@@ -176,6 +186,10 @@ class ModelRunner:
         for req_id in batch.req_ids:
             row = batch.req_id_to_index[req_id]
             drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
+            if self.use_async_scheduling and drafts:
+                # The scheduler sent -1 placeholders: our own proposals go in their place.
+                drafts = substitute_drafts(drafts, self._req_draft_token_ids.get(req_id, ()))
+                trace.record("spec_substitute", req_id=req_id, drafts=list(drafts))
             start = batch.num_tokens_no_spec[row]
             batch.token_ids_cpu[row, start:start + len(drafts)] = drafts
             batch.num_tokens[row] = start + len(drafts)
@@ -190,7 +204,9 @@ class ModelRunner:
         req_indices = np.repeat(np.arange(n), num_sched)
         offsets = np.arange(cu[-1]) - np.repeat(cu - num_sched, num_sched)
         positions = batch.num_computed_tokens_cpu[req_indices] + offsets
-        input_ids = batch.token_ids_cpu[req_indices, positions]
+        # A placeholder left at -1 (async scheduling, no draft for it) is computed as token 0: it
+        # is rejected, so nothing reads its row.
+        input_ids = np.maximum(batch.token_ids_cpu[req_indices, positions], 0)
         slot_mapping = batch.block_table.compute_slot_mapping(req_indices, positions)
         seq_lens = batch.num_computed_tokens_cpu[:n] + num_sched
         max_blocks = int(batch.block_table.num_blocks_per_row[:n].max())
@@ -273,6 +289,11 @@ class ModelRunner:
         if self.use_aux_hidden_state_outputs:
             hidden_states, aux_hidden_states = hidden_states
         logits = self.model.compute_logits(hidden_states[logits_indices])
+        # The drafters below see spec_md with every scheduled draft; sampling verifies the real ones.
+        sample_md, sample_logits = spec_md, logits
+        if spec_md is not None and self.use_async_scheduling:
+            sample_md, sample_logits = drop_placeholder_drafts(spec_md, logits, [
+                num_real_drafts(batch.spec_token_ids.get(r, ())) for r in batch.req_ids])
 
         n = batch.num_reqs
         # A partial prefill chunk samples nothing; drop its generator so the discarded draw does
@@ -283,22 +304,22 @@ class ModelRunner:
         sampling_metadata = SamplingMetadata.from_params(
             params, generators, self.device,
             num_output_tokens=[len(self.requests[r].output_token_ids) for r in batch.req_ids])
-        if spec_md is None:
-            sampled = self.sampler(logits, sampling_metadata).tolist()
+        if sample_md is None:
+            sampled = self.sampler(sample_logits, sampling_metadata).tolist()
             sampled_token_ids = [[] if partial[i] else [t] for i, t in enumerate(sampled)]
             if BREAKS and at_step("spec.1", so.scheduled_new_reqs): breakpoint()
         else:
             # Article step 7: the rejection sampler instead of regular sampling.
-            bonus = self.sampler(logits[spec_md.bonus_logits_indices], sampling_metadata,
-                                 num_draft_tokens=spec_md.num_draft_tokens)
-            out = self.rejection_sampler(spec_md, self._scheduled_draft_probs(spec_md),
-                                         logits[spec_md.target_logits_indices],
+            bonus = self.sampler(sample_logits[sample_md.bonus_logits_indices], sampling_metadata,
+                                 num_draft_tokens=sample_md.num_draft_tokens)
+            out = self.rejection_sampler(sample_md, self._scheduled_draft_probs(sample_md),
+                                         sample_logits[sample_md.target_logits_indices],
                                          bonus.view(-1, 1).to(torch.int32), sampling_metadata)
             sampled_token_ids = RejectionSampler.parse_output(
                 out, logits.shape[-1], discard_req_indices=partial.nonzero()[0].tolist())
             if trace.is_recording() and self.rejection_sampler.last_record is not None:
                 for i, rec in enumerate(self.rejection_sampler.last_record):
-                    if spec_md.num_draft_tokens[i]:
+                    if sample_md.num_draft_tokens[i]:
                         trace.record("spec_verify", req_id=batch.req_ids[i], positions=rec)
 
         # Bookkeeping: append the sampled tokens to the persistent batch.
@@ -321,6 +342,14 @@ class ModelRunner:
                     md.slot_mapping.cpu().numpy(), md.query_start_loc.cpu().numpy(), seq_lens,
                     hidden_states, aux_hidden_states, logits_indices, spec_md, sampled_token_ids)
             self._draft_token_ids = self.propose_draft_token_ids(sampled_token_ids, so)
+            if self.use_async_scheduling:
+                # Kept here for the next step's placeholders; a row that sampled and got no
+                # drafts has none (the synchronous scheduler would store [] for it too).
+                for i, req_id in enumerate(batch.req_ids):
+                    if sampled_token_ids[i]:
+                        self._req_draft_token_ids[req_id] = list(
+                            self._draft_token_ids.get(req_id, ()))
+                self._draft_token_ids = None
             self.target_step_outputs = None
         if self.defer_finalize:
             # vLLM's finalize_kv_connector: wait_for_save after the drafter saved its layers too.

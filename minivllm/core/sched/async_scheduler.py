@@ -1,0 +1,44 @@
+"""The asynchronous scheduler, mirroring vLLM 0.32's vllm/v1/core/sched/async_scheduler.py.
+
+``LLM(..., async_scheduling=True)``. vLLM schedules step N + 1 while step N still runs on the GPU,
+so the scheduler cannot know step N's drafts: after scheduling a request it stores
+``[-1] * k`` placeholders in ``request.spec_token_ids`` (``_update_after_schedule``). The next
+``schedule()`` counts them like drafts (``num_tokens_with_spec``, so ``allocate_slots`` reserves their
+KV slots and the token budget pays for them) and sends them in ``scheduled_spec_decode_tokens``.
+The real drafts never leave the worker: the model runner writes its own last proposals over the
+placeholders (vllm/v1/worker/gpu_model_runner.py, where it scatters ``_draft_token_ids`` into
+``input_ids``), and the engine skips ``take_draft_token_ids`` (vllm/v1/engine/core.py ``post_step``).
+A placeholder the worker has no draft for stays -1 and is rejected; ``update_from_output`` counts all
+placeholders as drafted tokens, as vLLM's spec stats do.
+
+Article step 3 ("store these in request.spec_token_ids") changes here: the scheduler stores
+placeholders, not drafts. minivllm keeps the step serial (no batch queue, no
+``num_output_placeholders``): only where the drafts live changes, so outputs equal the default.
+"""
+from __future__ import annotations
+
+from minivllm.core.sched.output import SchedulerOutput
+from minivllm.core.sched.scheduler import Scheduler
+
+
+class AsyncScheduler(Scheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # One read-only list shared by all requests, as vLLM's _spec_token_placeholders.
+        self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        super()._update_after_schedule(scheduler_output)
+        if not self.num_spec_tokens:
+            return
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests[req_id]
+            # A partial prefill chunk samples nothing, so the worker drafts nothing for it
+            # (vLLM's is_prefill_chunk).
+            if request.num_computed_tokens < request.num_tokens:
+                continue
+            request.spec_token_ids = self._spec_token_placeholders
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        raise RuntimeError("With async_scheduling the drafts stay in the worker; the engine must "
+                           "not call take_draft_token_ids / update_draft_token_ids.")

@@ -153,7 +153,7 @@ def test_draft_cache_sizing_and_self_draft_shares_weights(tiny_gqa_dir, draft_di
     runner = runner_of(tiny(tiny_gqa_dir, dict(method="draft_model", draft_num_layers=2),
                             num_gpu_blocks_override=9))
     draft, target = runner.drafter.model, runner.model
-    for name in ("lm_head.weight", "model.layers.1.mlp.up_proj.weight", "model.norm.weight"):
+    for name in ("lm_head.weight", "model.layers.1.mlp.gate_up_proj.weight", "model.norm.weight"):
         assert draft.get_parameter(name).data_ptr() == target.get_parameter(name).data_ptr()
     # Target 3 + draft 2 layers, each 2 (K, V) x 2 kv heads x head_dim 16 x 4 bytes x 4 slots.
     assert runner.kv_cache_bytes_per_block() == (3 + 2) * 2 * 2 * 16 * 4 * 4

@@ -128,15 +128,7 @@ def test_d_vllm_forward_call_shape(cases_and_vllm, backend):
                                         res["forward"])
 
 
-TORCH_PLACEHOLDER = pytest.param("torch", marks=pytest.mark.xfail(
-    strict=True, raises=RuntimeError,
-    reason="minivllm disagreement: the torch reference indexes target_probs with the draft id "
-           "(minivllm/sample/rejection_sampler.py, random_accept_mask's gather and "
-           "sample_recovered_tokens_torch's scatter), so a -1 draft raises 'index -1 is out of "
-           "bounds'; minivllm's Triton kernels and vLLM reject it"))
-
-
-@pytest.mark.parametrize("backend", [TORCH_PLACEHOLDER, "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_d_placeholder_drafts(cases_and_vllm, backend):
     """vLLM 0.32 schedules -1 placeholder drafts (fresh decodes after a full remote KV load, async
     scheduling: delta rows 3 and 22) and its sampler always rejects them (``draft id < 0``)."""

@@ -58,6 +58,49 @@ def draft_tokens(req_id: str, num_tokens: int, num_accept: int) -> list[int]:
     return out
 
 
+
+class SchedulerAdapter:
+    """What the workload reads from a scheduler, the same code for both engines: their
+    ``SchedulerOutput`` and ``Request`` share these field names. A subclass sets ``self.s`` (the
+    scheduler) and ``self.reqs`` (request id -> request) and adds ``add_request`` and
+    ``update_from_output``."""
+
+    def has_unfinished(self):
+        return self.s.has_unfinished_requests()
+
+    def schedule(self):
+        return self.s.schedule()
+
+    def describe(self, out) -> dict:
+        new_blocks, hits = {}, {}
+        for nr in out.scheduled_new_reqs:
+            new_blocks[nr.req_id] = len(nr.block_ids[0])
+            hits[nr.req_id] = nr.num_computed_tokens
+        c = out.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            ids = c.new_block_ids[i]
+            new_blocks[rid] = len(ids[0]) if ids is not None else 0
+            if rid in c.resumed_req_ids:
+                hits[rid] = c.num_computed_tokens[i]
+        return {"num_scheduled_tokens": dict(out.num_scheduled_tokens),
+                "scheduled_spec_decode_tokens": {k: list(v) for k, v in
+                                                 out.scheduled_spec_decode_tokens.items()},
+                "new_blocks": new_blocks, "prefix_hit_tokens": hits,
+                "new_req_ids": [nr.req_id for nr in out.scheduled_new_reqs],
+                "resumed_req_ids": sorted(c.resumed_req_ids),
+                "preempted_req_ids": sorted(out.preempted_req_ids or ()),
+                "finished_req_ids": sorted(out.finished_req_ids)}
+
+    def num_computed_tokens(self, rid):
+        return self.reqs[rid].num_computed_tokens
+
+    def num_tokens(self, rid):
+        return self.reqs[rid].num_tokens
+
+    def is_live(self, rid):
+        return not self.reqs[rid].is_finished()
+
+
 def run(adapter) -> list[dict]:
     """Drive ``adapter`` until every request finishes; return one record per step."""
     pending = list(REQUESTS)

@@ -22,10 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 3,
@@ -102,13 +104,35 @@ def vllm_python() -> str:
 
 
 def vllm_env() -> dict:
-    """vLLM's CPU build on a small machine (shared/reference/vllm_cpu.md); no minivllm on its path."""
+    """vLLM's CPU build on a small machine (shared/reference/vllm_cpu.md): all cores bound to its
+    worker, none reserved, a 1 GiB KV cache, nothing from a hub; no minivllm on its path."""
     cpus = sorted(os.sched_getaffinity(0))
+    bind = f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else \
+        ",".join(map(str, cpus))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}-{cpus[-1]}",
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=bind,
                VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_USE_AOT_COMPILE="0",
-               VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+               VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
     return env
+
+
+def run_in_group(cmd: list[str], env: Optional[dict], cwd: str, log, timeout: float) -> Optional[int]:
+    """Run ``cmd`` in its own process group and return its exit status (``None`` on timeout);
+    the whole group (a vLLM engine's spawned processes too) is killed by id either way."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return rc
 
 
 def run_in_process(cell: dict, timeout: float) -> dict:
@@ -123,18 +147,7 @@ def run_in_process(cell: dict, timeout: float) -> dict:
         else:
             cmd, env = [sys.executable, "-m", "minivllm.bench", "vllm", "--cell", inp, out], None
         log = open(os.path.join(tmp, "log.txt"), "w+")
-        proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            try:
-                os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+        rc = run_in_group(cmd, env, tmp, log, timeout)
         log.seek(0)
         if rc != 0 or not os.path.exists(out):
             raise SystemExit(f"cell {cell['engine']} {cell['kind']} {cell['dtype']} failed "

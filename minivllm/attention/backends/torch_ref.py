@@ -160,7 +160,9 @@ def _attend_single(query: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
 def _gather(cache: torch.Tensor, slots: torch.Tensor, name: str) -> torch.Tensor:
     """``cache.index_select(0, slots)`` into a reused buffer."""
     numel = slots.numel() * cache[0].numel()
-    key = (name, cache.device, cache.dtype)
+    # A buffer made under inference_mode (the engine's steps) is an inference tensor, which cannot
+    # be written outside it (a direct call, a test): one buffer per mode.
+    key = (name, cache.device, cache.dtype, torch.is_inference_mode_enabled())
     buf = _BUFFERS.get(key)
     if buf is None or buf.numel() < numel:
         buf = _BUFFERS[key] = torch.empty(numel, dtype=cache.dtype, device=cache.device)

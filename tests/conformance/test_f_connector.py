@@ -49,8 +49,11 @@ VLLM_EXTRA = {
                   "get_kv_connector_stats", "take_events"},
     "WORKER": {"get_mem_pool_context", "set_host_xfer_buffer_ops", "get_handshake_metadata",
                "handle_preemptions", "get_kv_connector_stats", "get_kv_connector_kv_cache_events",
-               "build_connector_worker_meta", "shutdown"},
+               "build_connector_worker_meta"},
 }
+# vLLM calls shutdown() on both roles as its engine exits; whether that call is logged before the
+# process ends depends on the exit's timing, so it is allowed, never required.
+AT_EXIT = {"shutdown"}
 MINIVLLM_EXTRA = {"SCHEDULER": set(), "WORKER": {"get_stats"}}   # vLLM's get_kv_connector_stats
 
 if "LoggingSharedStorageConnector" not in KVConnectorFactory._registry:
@@ -206,7 +209,7 @@ def test_connector_surface_beyond_the_article(both, instance):
     for role in ("SCHEDULER", "WORKER"):
         api = set(SCHEDULER_API if role == "SCHEDULER" else WORKER_API) | {"__init__"}
         called = lambda d: {c["method"] for c in d[instance]["calls"]  # noqa: E731
-                            if c["role"] == role} - api - set(RENAMED)
+                            if c["role"] == role} - api - set(RENAMED) - AT_EXIT
         assert called(vllm) == VLLM_EXTRA[role], role
         assert called(mini) == MINIVLLM_EXTRA[role], role
 

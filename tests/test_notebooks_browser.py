@@ -30,8 +30,9 @@ from nb_page import close_notebook, move_first_slider, open_and_run, widget_prob
 from test_notebooks import MAX_CHARS, MAX_LINES
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-BROWSER_NOTEBOOKS = ["01_paged_kv_cache.ipynb", "02_speculative_decoding.ipynb",
-                     "05_learned_drafters.ipynb"]
+# The notebooks whose figures are widgets. 05 (the heaviest: it trains a Medusa head) shows only
+# tqdm bars as widgets; it runs under nbclient alone (tests/test_notebooks.py) to keep CI's budget.
+BROWSER_NOTEBOOKS = ["01_paged_kv_cache.ipynb", "02_speculative_decoding.ipynb"]
 SLIDER_NOTEBOOKS = {"01_paged_kv_cache.ipynb", "02_speculative_decoding.ipynb"}
 RUN_TIMEOUT = 420          # seconds per notebook (05 trains a Medusa head)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from minivllm.exercises import ExerciseCheckError, _call, _fail, _passed  # noqa: F401
+from minivllm.exercises.spec import ExerciseCheckError, _call, _fail, _passed  # noqa: F401
 
 
 def reference_eagle_first_pass_inputs(input_ids: list[int], cu_num_tokens: list[int],

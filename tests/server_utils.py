@@ -3,6 +3,7 @@ package importable (PYTHONPATH points at this checkout, so tests work installed 
 by PID."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import httpx
 
@@ -113,3 +115,43 @@ def metric(url: str, name: str) -> float:
     m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
     assert m is not None, f"{name} missing from /metrics"
     return float(m.group(1))
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@contextmanager
+def launch_cluster(model_dir: str, log_path: str, kv_connector: str, server_args: str,
+                   num_prefill: int = 1, num_decode: int = 2, timeout: float = 240.0):
+    """``python -m minivllm.disagg.launch`` on 127.0.0.1, yielding its ``CLUSTER`` line (proxy and
+    instance URLs, pids) plus ``launcher`` and ``log``. On exit the launcher gets SIGTERM, and any
+    child it left behind is killed by pid."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minivllm.disagg.launch", "--prefill", str(num_prefill),
+         "--decode", str(num_decode), "--port", str(free_port()), "--model", model_dir,
+         "--num-threads", "3", "--kv-connector", kv_connector, "--server-args", server_args],
+        stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=child_env())
+    info, deadline = None, time.monotonic() + timeout
+    while info is None and time.monotonic() < deadline and proc.poll() is None:
+        for line in open(log_path):
+            if line.startswith("CLUSTER "):
+                info = json.loads(line[len("CLUSTER "):])
+        time.sleep(0.5)
+    try:
+        assert info is not None, open(log_path).read()[-3000:]
+        yield {**info, "launcher": proc, "log": log_path}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for pid in (info or {}).get("pids", {}).values():   # never leave a child behind
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)

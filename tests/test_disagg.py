@@ -6,18 +6,15 @@ or fails with a clear error; stopping the launcher stops every child."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from server_utils import child_env, free_port, metric
+from server_utils import launch_cluster, metric, pid_alive
 
 NUM_REQUESTS = 20
 SERVER_ARGS = "--max-model-len 512 --num-gpu-blocks-override 128"
@@ -26,13 +23,6 @@ PROMPTS = [f"Request {i}: the quick brown fox jumps over the lazy dog, then the 
            f"the old oak tree while the fox counts to {i * 7} and back again." for i in
            range(NUM_REQUESTS)]
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -43,32 +33,8 @@ def model_dir(tiny_chat_dir) -> str:
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
     log_path = str(tmp_path_factory.mktemp("launch") / "launch.log")
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "minivllm.disagg.launch", "--prefill", "1", "--decode", "2",
-         "--port", str(free_port()), "--model", model_dir, "--num-threads", "3",
-         "--kv-connector", "RedisStoreConnector", "--server-args", SERVER_ARGS],
-        stdout=log, stderr=subprocess.STDOUT, env=child_env())
-    info = None
-    deadline = time.monotonic() + 240
-    while info is None and time.monotonic() < deadline and proc.poll() is None:
-        for line in open(log_path):
-            if line.startswith("CLUSTER "):
-                info = json.loads(line[len("CLUSTER "):])
-        time.sleep(0.5)
-    try:
-        assert info is not None, open(log_path).read()[-3000:]
-        yield {**info, "launcher": proc, "log": log_path}
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for pid in (info or {}).get("pids", {}).values():   # never leave a child behind
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+    with launch_cluster(model_dir, log_path, "RedisStoreConnector", SERVER_ARGS) as info:
+        yield info
 
 
 @pytest.fixture(scope="module")

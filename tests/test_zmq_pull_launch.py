@@ -6,18 +6,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from server_utils import child_env, free_port, metric
-from test_disagg import pid_alive
+from server_utils import free_port, launch_cluster, metric
 
 NUM_REQUESTS = 8
 PROMPTS = [f"Request {i}: the quick brown fox jumps over the lazy dog, then the dog sleeps under "
@@ -29,30 +24,8 @@ SERVER_ARGS = "--max-model-len 512 --num-gpu-blocks-override 128"
 @pytest.fixture(scope="module")
 def cluster(tiny_chat_dir, tmp_path_factory):
     log_path = str(tmp_path_factory.mktemp("launch") / "launch.log")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "minivllm.disagg.launch", "--prefill", "1", "--decode", "2",
-         "--port", str(free_port()), "--model", tiny_chat_dir, "--num-threads", "3",
-         "--kv-connector", "ZmqPullConnector", "--server-args", SERVER_ARGS],
-        stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=child_env())
-    info, deadline = None, time.monotonic() + 240
-    while info is None and time.monotonic() < deadline and proc.poll() is None:
-        for line in open(log_path):
-            if line.startswith("CLUSTER "):
-                info = json.loads(line[len("CLUSTER "):])
-        time.sleep(0.5)
-    try:
-        assert info is not None, open(log_path).read()[-3000:]
-        yield {**info, "launcher": proc}
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for pid in (info or {}).get("pids", {}).values():
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+    with launch_cluster(tiny_chat_dir, log_path, "ZmqPullConnector", SERVER_ARGS) as info:
+        yield info
 
 
 def test_pull_cluster_equals_one_instance(cluster, tiny_chat_dir):

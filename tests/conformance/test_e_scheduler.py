@@ -52,18 +52,8 @@ class MinivllmAdapter(W.SchedulerAdapter):
         self.reqs[rid] = r
         self.s.add_request(r)
 
-    def update_from_output(self, out, sampled):
-        ids = list(out.num_scheduled_tokens)
-        mro = _RunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [sampled[r] for r in ids])
-        before = {r for r, q in self.reqs.items() if q.is_finished()}
-        self.s.update_from_output(out, mro)
-        self._now = {r for r, q in self.reqs.items() if q.is_finished()} - before
-
-    def finished_ids(self):
-        return self._now
-
-    def num_free_blocks(self):
-        return self.s.kv_cache_manager.block_pool.get_num_free_blocks()
+    def runner_output(self, ids, sampled):
+        return _RunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [sampled[r] for r in ids])
 
     def update_draft_token_ids(self, drafts):
         self.s.update_draft_token_ids(drafts)

@@ -52,7 +52,7 @@ class VllmAdapter(W.SchedulerAdapter):
         self.s = build(model_dir, reserve_full_isl)
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(W.BLOCK_SIZE, sha256)
-        self.finished: set[str] = set()
+        self._now: set[str] = set()
         self.reqs: dict[str, Request] = {}
 
     def add_request(self, rid, prompt, max_tokens):
@@ -61,19 +61,9 @@ class VllmAdapter(W.SchedulerAdapter):
         self.reqs[rid] = r
         self.s.add_request(r)
 
-    def update_from_output(self, out, sampled):
-        ids = list(out.num_scheduled_tokens)
-        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=[sampled[r] for r in ids])
-        before = {r for r, q in self.reqs.items() if q.is_finished()}
-        self.s.update_from_output(out, mro)
-        self._now = {r for r, q in self.reqs.items() if q.is_finished()} - before
-
-    def finished_ids(self):
-        return self._now
-
-    def num_free_blocks(self):
-        return self.s.kv_cache_manager.block_pool.get_num_free_blocks()
+    def runner_output(self, ids, sampled):
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=[sampled[r] for r in ids])
 
     def update_draft_token_ids(self, drafts):
         ids = list(drafts)

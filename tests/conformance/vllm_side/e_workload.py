@@ -63,7 +63,7 @@ class SchedulerAdapter:
     """What the workload reads from a scheduler, the same code for both engines: their
     ``SchedulerOutput`` and ``Request`` share these field names. A subclass sets ``self.s`` (the
     scheduler) and ``self.reqs`` (request id -> request) and adds ``add_request`` and
-    ``update_from_output``."""
+    ``runner_output`` (that engine's ModelRunnerOutput)."""
 
     def has_unfinished(self):
         return self.s.has_unfinished_requests()
@@ -99,6 +99,18 @@ class SchedulerAdapter:
 
     def is_live(self, rid):
         return not self.reqs[rid].is_finished()
+
+    def update_from_output(self, out, sampled):
+        mro = self.runner_output(list(out.num_scheduled_tokens), sampled)
+        before = {r for r, q in self.reqs.items() if q.is_finished()}
+        self.s.update_from_output(out, mro)
+        self._now = {r for r, q in self.reqs.items() if q.is_finished()} - before
+
+    def finished_ids(self):
+        return self._now
+
+    def num_free_blocks(self):
+        return self.s.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
 def run(adapter) -> list[dict]:

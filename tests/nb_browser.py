@@ -16,13 +16,15 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import contextmanager
 from typing import Any, Optional
+
+from server_utils import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NB_DIR = os.path.join(REPO, "notebooks")
@@ -38,12 +40,6 @@ LAB_SETTINGS = {
         {"fetchNews": "false", "checkForUpdates": False},
     "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": False},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> list[int]:
@@ -228,3 +224,19 @@ class Chromium:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextmanager
+def lab_page(work: str, height: int):
+    """JupyterLab and Chromium started in ``work``, and Playwright's page in that Chromium (over
+    CDP, a 1400 x ``height`` viewport); yields ``(lab, page)`` and stops all three."""
+    from playwright.sync_api import sync_playwright
+    with JupyterLab(work) as lab, Chromium(work) as chrome, sync_playwright() as pw:
+        cdp = pw.chromium.connect_over_cdp(chrome.cdp_url)
+        try:
+            context = cdp.contexts[0]
+            page = context.pages[0] if context.pages else context.new_page()
+            page.set_viewport_size({"width": 1400, "height": height})
+            yield lab, page
+        finally:
+            cdp.close()

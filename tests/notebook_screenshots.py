@@ -15,7 +15,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from nb_browser import REPO, Chromium, JupyterLab  # noqa: E402
+from nb_browser import REPO, lab_page  # noqa: E402
 from nb_page import close_notebook, open_and_run  # noqa: E402
 
 # (notebook, right-arrow presses on its first slider, on its second slider, output file)
@@ -63,32 +63,24 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="only the notebook whose name contains this")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    from playwright.sync_api import sync_playwright
     work = tempfile.mkdtemp(prefix="minivllm-shots-")
-    with JupyterLab(work) as lab, Chromium(work) as chrome, sync_playwright() as pw:
-        cdp = pw.chromium.connect_over_cdp(chrome.cdp_url)
-        try:
-            context = cdp.contexts[0]
-            page = context.pages[0] if context.pages else context.new_page()
-            page.set_viewport_size({"width": 1400, "height": 1100})
-            for name, first, second, out in SHOTS:
-                if args.only and args.only not in name:
-                    continue
-                view = open_and_run(page, lab, name, timeout=420)
-                errors = [e for c in view.cells for e in c.errors()]
-                if errors:
-                    raise RuntimeError(f"{name}: {errors}")
-                slide_to(page, 0, first)
-                if second:
-                    slide_to(page, 1, second)
-                box = page.locator(".jp-Notebook .widget-vbox:has(.widget-slider)").first
-                box.scroll_into_view_if_needed()
-                path = os.path.join(args.out, out)
-                box.screenshot(path=path)
-                print(f"{path}: {name}, sliders moved {first}, {second}, run in {view.seconds:.0f} s")
-                close_notebook(page)
-        finally:
-            cdp.close()
+    with lab_page(work, height=1100) as (lab, page):
+        for name, first, second, out in SHOTS:
+            if args.only and args.only not in name:
+                continue
+            view = open_and_run(page, lab, name, timeout=420)
+            errors = [e for c in view.cells for e in c.errors()]
+            if errors:
+                raise RuntimeError(f"{name}: {errors}")
+            slide_to(page, 0, first)
+            if second:
+                slide_to(page, 1, second)
+            box = page.locator(".jp-Notebook .widget-vbox:has(.widget-slider)").first
+            box.scroll_into_view_if_needed()
+            path = os.path.join(args.out, out)
+            box.screenshot(path=path)
+            print(f"{path}: {name}, sliders moved {first}, {second}, run in {view.seconds:.0f} s")
+            close_notebook(page)
     return 0
 
 

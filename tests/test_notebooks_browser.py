@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from nb_browser import CHROMIUM, Chromium, JupyterLab
+from nb_browser import CHROMIUM, lab_page
 from nb_page import close_notebook, move_first_slider, open_and_run, widget_problems
 from test_notebooks import MAX_CHARS, MAX_LINES
 
@@ -57,19 +57,11 @@ def browser():
         if IN_CI:
             pytest.fail(f"browser notebook test cannot run under CI=true: {missing}")
         pytest.skip(f"browser notebook test: {missing}")
-    from playwright.sync_api import sync_playwright
     work = tempfile.mkdtemp(prefix="minivllm-browser-")
     shots = os.environ.get("MINIVLLM_SCREENSHOT_DIR") or os.path.join(work, "screenshots")
     os.makedirs(shots, exist_ok=True)
-    with JupyterLab(work) as lab, Chromium(work) as chrome, sync_playwright() as pw:
-        cdp = pw.chromium.connect_over_cdp(chrome.cdp_url)
-        try:
-            context = cdp.contexts[0]
-            page = context.pages[0] if context.pages else context.new_page()
-            page.set_viewport_size({"width": 1400, "height": 1000})
-            yield lab, page, shots
-        finally:
-            cdp.close()
+    with lab_page(work, height=1000) as (lab, page):
+        yield lab, page, shots
 
 
 def _screenshot(page, shots: str, name: str, cell: int | None = None) -> str:

@@ -347,3 +347,42 @@ def test_quick_medusa_on_smollm2_beats_untrained_heads(smollm2_dir):
     assert result.eval["num_positions"] > 50
     assert result.eval["per_pos"][0] > before["per_pos"][0] + 0.05, (before, result.eval)
     assert result.eval["mean_acceptance_length"] > before["mean_acceptance_length"]
+
+
+def test_medusa_full_vocab_keeps_trained_rows_and_loads_without_token_map(tmp_path):
+    """The layout vLLM 0.32 loads (conformance case h, ``medusa_full``): lm_heads widened to the
+    vocabulary, the trained rows at their token_map ids, the target's rows elsewhere; the engine
+    serves it, and speculation leaves the greedy output as plain decoding gives it."""
+    from types import SimpleNamespace
+    from minivllm import LLM, SamplingParams
+    from minivllm.model_executor.model_loader import load_model
+    from minivllm.train.export import medusa_full_vocab, save_head
+    from minivllm.train.heads import MedusaHeads
+    model = make_tiny_llama(tmp_path / "tiny", seed=4)
+    target = load_model(model, torch.float32, torch.device("cpu"))
+    vocab, hidden = target.lm_head.weight.shape
+    torch.manual_seed(0)
+    token_map = torch.randperm(vocab)[:40].sort().values
+    head = MedusaHeads(hidden, 3, 1, token_map)
+    cfg = SimpleNamespace(hidden_size=hidden, vocab_size=vocab)
+    save_head(str(tmp_path / "cut"), "medusa", head, cfg, {}, dtype="float32")
+    config = medusa_full_vocab(str(tmp_path / "cut"), str(tmp_path / "full"), target.lm_head.weight)
+    assert config["truncated_vocab_size"] == vocab
+    with safe_open(str(tmp_path / "full" / "model.safetensors"), "pt") as f:
+        assert "token_map" not in f.keys()
+        for j in range(3):
+            w = f.get_tensor(f"lm_heads.{j}.weight")
+            assert w.shape == (vocab, hidden)
+            assert torch.equal(w[token_map], head.lm_heads[j].weight.detach())
+            rest = torch.ones(vocab, dtype=torch.bool)
+            rest[token_map] = False
+            assert torch.equal(w[rest], target.lm_head.weight.detach()[rest])
+    with pytest.raises(ValueError, match="target lm_head"):
+        medusa_full_vocab(str(tmp_path / "cut"), str(tmp_path / "bad"), target.lm_head.weight[:5])
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    prompt = [{"prompt_token_ids": [5, 9, 3, 17, 5, 9]}]
+    plain = LLM(model=model, skip_tokenizer_init=True).generate(prompt, params, use_tqdm=False)
+    spec = LLM(model=model, skip_tokenizer_init=True, speculative_config={
+        "method": "medusa", "model": str(tmp_path / "full"), "num_speculative_tokens": 3})
+    out = spec.generate(prompt, params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == plain[0].outputs[0].token_ids

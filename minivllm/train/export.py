@@ -10,6 +10,12 @@ Tensor names are the modules' own parameter names, which were chosen to be vLLM'
   .weight``, q/k/v over 2H, ``norm.weight``, ``lm_head.weight`` [draft_vocab, H], ``d2t`` [draft_vocab].
 - Medusa (``models/medusa.py``): ``blocks.{h}.layers.{l}.weight``, ``lm_heads.{h}.weight``
   [truncated_vocab, H], ``token_map`` [truncated_vocab].
+
+vLLM 0.32 loads no Medusa checkpoint that has a ``token_map``: it builds each ``lm_heads.{h}`` at
+the full vocabulary, then slices the checkpoint's rows through ``token_map`` and its weight loader
+asserts the full-vocabulary row count (``models/medusa.py`` load_weights, ``vocab_parallel_embedding
+.py`` weight_loader), whichever row count was stored. ``medusa_full_vocab`` writes the layout it
+does load: full-vocabulary ``lm_heads`` and no ``token_map``.
 """
 from __future__ import annotations
 
@@ -86,3 +92,36 @@ def load_head(head_dir: str, method: str) -> torch.nn.Module:
         head = EagleDraft(cfg, method)
     head.load_state_dict(sd, strict=True)
     return head.eval()
+
+
+def medusa_full_vocab(head_dir: str, out_dir: str, target_lm_head: torch.Tensor) -> dict:
+    """Rewrite a truncated-vocabulary Medusa head (``token_map`` [T], ``lm_heads.{h}`` [T, H]) as a
+    full-vocabulary one: ``lm_heads.{h}`` [V, H] whose rows at ``token_map`` are the trained ones
+    and whose other rows are the target's ``lm_head`` [V, H] (Medusa-1 starts its heads from the
+    target's head), ``truncated_vocab_size = vocab_size``, no ``token_map``. The only Medusa
+    layout vLLM 0.32 loads; its drafts can differ from the truncated head's (a token outside the
+    map can now win). Returns the new config."""
+    with open(os.path.join(head_dir, "config.json")) as f:
+        config = json.load(f)
+    sd = load_file(os.path.join(head_dir, "model.safetensors"))
+    token_map = sd.pop("token_map", None)
+    vocab, hidden = config["vocab_size"], config["hidden_size"]
+    if tuple(target_lm_head.shape) != (vocab, hidden):
+        raise ValueError(f"target lm_head is {tuple(target_lm_head.shape)}, the head needs "
+                         f"{(vocab, hidden)}")
+    for name in [n for n in sd if n.startswith("lm_heads.")]:
+        rows = sd[name]
+        if rows.shape[0] == vocab:
+            continue
+        if token_map is None or rows.shape[0] != token_map.numel():
+            raise ValueError(f"{head_dir}: {name} has {rows.shape[0]} rows and no token_map of "
+                             "that length")
+        full = target_lm_head.detach().to(rows.dtype).clone()
+        full[token_map.long()] = rows
+        sd[name] = full.contiguous()
+    config = dict(config, truncated_vocab_size=vocab)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return config

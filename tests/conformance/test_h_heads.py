@@ -6,6 +6,11 @@ given to vLLM as ``speculative_config={"method": m, "model": HEAD_DIR, "num_spec
 must equal minivllm's with the same head, and the acceptance counters (``vllm:spec_decode_*``)
 must be equal. Where vLLM refuses, the test asserts its exact message (EXPECTED_REFUSALS), which
 the README quotes.
+
+vLLM 0.32 refuses every Medusa checkpoint with a ``token_map`` (below), so the shipped Medusa head
+is also run in the one layout it loads: ``medusa_full``, written by
+``minivllm.train.export.medusa_full_vocab`` (full-vocabulary ``lm_heads``, no ``token_map``), in
+both engines.
 """
 from __future__ import annotations
 
@@ -18,16 +23,20 @@ from minivllm import LLM, SamplingParams
 
 HEADS = Path(minivllm.__file__).parent / "spec_decode" / "heads" / "smollm2-135m-instruct"
 METHODS = ("medusa", "eagle", "eagle3")
+HEAD_NAMES = METHODS + ("medusa_full",)
 K, MAX_TOKENS = 3, 16
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
 # method -> vLLM 0.32's refusal (a line of the exception or of what its worker printed).
 EXPECTED_REFUSALS: dict[str, str] = {
     # vllm/model_executor/models/medusa.py:78-90 builds each of the K lm_heads at the full vocab
-    # (49152) and, at load (170-192), slices a checkpoint's lm_head through token_map only when it
-    # is *larger* than the map. minivllm ships its Medusa lm_heads already cut to the map
-    # ([1024, 576] beside a 1024-entry token_map, truncated_vocab_size 1024), so vLLM's weight
-    # loader (model_executor/layers/vocab_parallel_embedding.py:515) fails on the shape.
+    # (49152); at load (170-192) it slices a checkpoint's lm_head through token_map when it is
+    # larger than the map, and vLLM's weight loader (model_executor/layers/vocab_parallel_embedding
+    # .py:515) then asserts the full row count. So no token_map checkpoint loads: not minivllm's
+    # (lm_heads [1024, 576], cut to its 1024-entry token_map), and not one with full [49152, 576]
+    # lm_heads either (sliced to 1024 rows, the same assertion; tried by hand with the head that
+    # medusa_full_vocab writes plus the token_map). A vLLM 0.32 regression: its LM heads lost the
+    # org_num_embeddings=truncated_vocab_size that earlier vLLM passed.
     "medusa": "assert loaded_weight.shape[output_dim] == self.org_vocab_size",
 }
 
@@ -38,15 +47,33 @@ def prompts(chat_prompts):
 
 
 @pytest.fixture(scope="module")
-def vllm_heads(vllm_side, conformance_model, prompts):
+def head_dirs(conformance_model, tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """name -> (method, directory): the shipped heads and ``medusa_full``."""
+    from safetensors import safe_open
+    from minivllm.model_executor.model_loader import safetensors_weights_iterator
+    from minivllm.train.export import medusa_full_vocab
+    lm_head = None
+    for name, tensor in safetensors_weights_iterator(conformance_model):
+        if name in ("lm_head.weight", "model.embed_tokens.weight"):   # SmolLM2 ties the two
+            lm_head = tensor if lm_head is None or name == "lm_head.weight" else lm_head
+    full = tmp_path_factory.mktemp("medusa_full")
+    medusa_full_vocab(str(HEADS / "medusa"), str(full), lm_head)
+    with safe_open(str(full / "model.safetensors"), "pt") as f:
+        assert "token_map" not in f.keys() and f.get_slice("lm_heads.0.weight").get_shape() == \
+            list(lm_head.shape)
+    return {**{m: (m, str(HEADS / m)) for m in METHODS}, "medusa_full": ("medusa", str(full))}
+
+
+@pytest.fixture(scope="module")
+def vllm_heads(vllm_side, conformance_model, prompts, head_dirs):
     return vllm_side("h_heads.py", {"model": conformance_model,
-                                    "heads": {m: str(HEADS / m) for m in METHODS},
+                                    "heads": {n: list(v) for n, v in head_dirs.items()},
                                     "prompts": prompts, "max_tokens": MAX_TOKENS, "k": K})
 
 
-def run_minivllm(model: str, method: str, prompts: list[list[int]]) -> dict:
+def run_minivllm(model: str, method: str, head_dir: str, prompts: list[list[int]]) -> dict:
     llm = LLM(model=model, dtype="float32", max_model_len=1024,
-              speculative_config={"method": method, "model": str(HEADS / method),
+              speculative_config={"method": method, "model": head_dir,
                                   "num_speculative_tokens": K})
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
@@ -59,16 +86,17 @@ def run_minivllm(model: str, method: str, prompts: list[list[int]]) -> dict:
     return {"token_ids": [list(o.outputs[0].token_ids) for o in outs], "counters": counters}
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_head_in_vllm(vllm_heads, conformance_model, prompts, method):
-    got = vllm_heads[method]
-    if method in EXPECTED_REFUSALS:
-        assert not got["loaded"], f"vLLM 0.32 now loads the {method} head: update the README"
-        text = "\n".join([got["error"], *got["engine_errors"]])
-        assert EXPECTED_REFUSALS[method] in text, text
+@pytest.mark.parametrize("name", HEAD_NAMES)
+def test_head_in_vllm(vllm_heads, conformance_model, prompts, head_dirs, name):
+    got = vllm_heads[name]
+    if name in EXPECTED_REFUSALS:
+        assert not got["loaded"], f"vLLM 0.32 now loads the {name} head: update the README"
+        text = "\n".join([got["error"], *got["engine_errors"], got.get("traceback_tail", "")])
+        assert EXPECTED_REFUSALS[name] in text, text
         return
-    assert got["loaded"], f"vLLM 0.32 refused the {method} head: {got['error']} {got['engine_errors']}"
-    mini = run_minivllm(conformance_model, method, prompts)
+    assert got["loaded"], f"vLLM 0.32 refused the {name} head: {got['error']} {got['engine_errors']}"
+    method, head_dir = head_dirs[name]
+    mini = run_minivllm(conformance_model, method, head_dir, prompts)
     assert mini["token_ids"] == got["token_ids"]
     m, v = mini["counters"], got["counters"]
     # Equal: what the heads got right, position by position.

@@ -1,11 +1,12 @@
 """Case h, vLLM side: do minivllm's shipped EAGLE, EAGLE-3 and Medusa heads load in vLLM 0.32 (CPU)?
 
-IN: {"model", "heads": {method: head_dir}, "prompts": [[token ids]], "max_tokens", "k"}. For each
-method, one engine with ``speculative_config={"method": m, "model": head_dir,
+IN: {"model", "heads": {name: [method, head_dir]}, "prompts": [[token ids]], "max_tokens", "k"}.
+For each head, one engine with ``speculative_config={"method": m, "model": head_dir,
 "num_speculative_tokens": k}``; where it starts, greedy outputs (``ignore_eos``) and vLLM's
 ``vllm:spec_decode_*`` counters around that one ``generate``; where it does not, the refusal: the
-exception's message and the last error line the EngineCore printed (a failure inside the spawned
-EngineCore reaches this process only as "Engine core initialization failed").
+exception's message, its traceback's tail, and the last error lines the engine printed (the suite
+runs the EngineCore in this process; a spawned one would report a failure here only as "Engine
+core initialization failed").
 """
 import gc
 import json
@@ -84,8 +85,8 @@ if __name__ == "__main__":
     with open(sys.argv[1]) as f:
         payload = json.load(f)
     result = {}
-    for method, head in payload["heads"].items():
-        result[method] = run_method(payload, method, head)
+    for name, (method, head) in payload["heads"].items():
+        result[name] = run_method(payload, method, head)
         with open(sys.argv[2] + ".partial", "w") as f:     # what a timeout leaves behind
             json.dump(result, f)
     with open(sys.argv[2], "w") as f:

@@ -72,13 +72,23 @@ def _require_vllm_venv():
                     "skip)", pytrace=False)
 
 
-def vllm_env() -> dict:
+# Scripts whose engines run their EngineCore in the script's own process (vLLM's InprocClient):
+# one starts in ~6 s instead of ~26 s on two cores. Same scheduler, worker and outputs. Not b (with
+# numba's llvmlite imported in-process, vLLM 0.32's CPU worker fails re-binding its Triton kernels:
+# triton_utils/dispatcher.py _rebind_kernels), not f (its call log is per process and role), not
+# g (`vllm serve` as a user runs it).
+IN_PROCESS_ENGINE = {"a_greedy.py", "h_heads.py"}
+
+
+def vllm_env(in_process: bool = False) -> dict:
     """The environment vLLM's CPU build needs on a small machine (minivllm.bench.vllm.vllm_env),
     with the shared helper module (never minivllm) on its path and the venv's bin first."""
     from minivllm.bench.vllm import vllm_env as base_env
     env = base_env()
     env.update(PYTHONPATH=str(VLLM_SIDE), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PATH=f"{vllm_venv() / 'bin'}:{os.environ.get('PATH', '')}")
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
 
 
@@ -140,7 +150,8 @@ def run_vllm_script(script: str, payload: dict, timeout: float = DEFAULT_TIMEOUT
             lock.__enter__()
         try:
             from minivllm.bench.vllm import run_in_group
-            rc = run_in_group([str(python), str(VLLM_SIDE / script), inp, out], vllm_env(), tmp,
+            rc = run_in_group([str(python), str(VLLM_SIDE / script), inp, out],
+                              vllm_env(in_process=script in IN_PROCESS_ENGINE), tmp,
                               log, timeout)
         finally:
             if lock is not None:

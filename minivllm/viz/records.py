@@ -84,18 +84,21 @@ def num_drafted(positions: Iterable[dict[str, Any]], scheduled: Optional[int] = 
     return sum(1 for p in positions if p.get("draft_token_id") is not None)
 
 
-def acceptance_from_tracer(source: StepsLike) -> dict[str, Any]:
+def acceptance_from_tracer(source: StepsLike, req_id: Optional[str] = None) -> dict[str, Any]:
     """Per-position counts from the recorded verifies: {num_drafts, num_draft_tokens,
-    num_accepted_tokens, num_accepted_tokens_per_pos, accepted_lengths} (vLLM's counter names)."""
+    num_accepted_tokens, num_accepted_tokens_per_pos, accepted_lengths} (vLLM's counter names),
+    over every request or, with ``req_id``, that one's alone (vLLM 0.32's per-request metrics)."""
     per_pos: Counter = Counter()
     lengths = []
     num_draft_tokens = 0
     for s in steps_of(source):
         sched = schedule_of(s)["scheduled_spec_decode_tokens"]
-        for req_id, positions in spec_verify_of(s).items():
+        for rid, positions in spec_verify_of(s).items():
+            if req_id is not None and rid != req_id:
+                continue
             a = num_accepted(positions)
             lengths.append(a)
-            num_draft_tokens += num_drafted(positions, len(sched.get(req_id, [])) or None)
+            num_draft_tokens += num_drafted(positions, len(sched.get(rid, [])) or None)
             for i in range(a):
                 per_pos[i] += 1
     k = max(per_pos, default=-1) + 1

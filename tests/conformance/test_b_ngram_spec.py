@@ -4,7 +4,10 @@
 - In both engines the outputs equal plain decoding (case a's, ``plain_greedy``).
 - vLLM's counters ``vllm:spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens``
   and ``_num_accepted_tokens_per_pos`` (differences of ``get_metrics()`` around each ``generate``)
-  are compared with minivllm's, per request (each prompt alone) and per batch (all 8 at once).
+  are compared with minivllm's, per request and per batch (all 8 at once, one ``generate``). Per
+  request, from that same batch: vLLM's per-request metrics (``per_request_spec_decode_metrics=
+  "detailed"``, vllm_side/b_ngram.py) and minivllm's step records (its tracer's verify events);
+  in each engine they must add up to its batch counters.
 
 They differ by one thing on purpose (delta row 18): minivllm caps a request's drafts at
 ``max_tokens - outputs - 1`` (the next step cannot use more); vLLM 0.32 V1 caps them only by
@@ -67,15 +70,24 @@ def minivllm_counters(llm) -> dict:
     return {n: list(out[n]) if n == NAMES[3] else int(out[n]) for n in NAMES}
 
 
-def minivllm_run(llm, prompts) -> dict:
+def minivllm_run(llm, prompts, k: int) -> tuple[dict, list[dict]]:
+    """One ``generate`` of all prompts on a fresh engine: the batch's counters (``get_metrics``)
+    and each request's, counted from the engine's step records (the tracer's verify events)."""
     from minivllm import SamplingParams
+    from minivllm.viz.records import acceptance_from_tracer
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    before = minivllm_counters(llm)
+    llm.llm_engine.tracer.enabled = True
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    after = minivllm_counters(llm)
-    diff = {n: after[n] - before[n] for n in NAMES[:3]}
-    diff[NAMES[3]] = [a - b for a, b in zip(after[NAMES[3]], before[NAMES[3]])]
-    return {"outputs": [list(o.outputs[0].token_ids) for o in outs], "counters": diff}
+    batch = {"outputs": [list(o.outputs[0].token_ids) for o in outs],
+             "counters": minivllm_counters(llm)}
+    per_request = []
+    for o in outs:
+        c = acceptance_from_tracer(llm.llm_engine.tracer, req_id=o.request_id)
+        per_pos = c["num_accepted_tokens_per_pos"]
+        per_request.append(dict(zip(NAMES, (c["num_drafts"], c["num_draft_tokens"],
+                                            c["num_accepted_tokens"],
+                                            per_pos + [0] * (k - len(per_pos))))))
+    return batch, per_request
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +95,7 @@ def vllm_runs(vllm_side, conformance_model, chat_prompts) -> dict:
     return vllm_side("b_ngram.py", {"model": conformance_model, "prompts": chat_prompts,
                                     "max_tokens": MAX_TOKENS, "ks": list(KS),
                                     "lookup_min": LOOKUP[0], "lookup_max": LOOKUP[1]},
-                      timeout=1800)["runs"]   # three engines, 27 generate calls
+                      timeout=1800)["runs"]   # three engines, one generate each
 
 
 @pytest.mark.parametrize("k", KS)
@@ -93,15 +105,13 @@ def test_b_ngram_outputs_and_counters(k, vllm_runs, plain_greedy, conformance_mo
     llm = LLM(model=conformance_model, dtype="float32", speculative_config=dict(
         method="ngram", num_speculative_tokens=k, prompt_lookup_min=LOOKUP[0],
         prompt_lookup_max=LOOKUP[1]))
-    ours_batch = minivllm_run(llm, chat_prompts)
-    ours_single = [minivllm_run(llm, [p]) for p in chat_prompts]
+    ours_batch, ours_per_request = minivllm_run(llm, chat_prompts, k)
     theirs = vllm_runs[str(k)]
     plain_ours = [o[:MAX_TOKENS] for o in plain_greedy["minivllm"]]
     plain_theirs = [o[:MAX_TOKENS] for o in plain_greedy["vllm"]]
 
     # Spec decoding never changes greedy outputs, in either engine.
     assert ours_batch["outputs"] == plain_ours, "minivllm n-gram batch != plain decoding"
-    assert [r["outputs"][0] for r in ours_single] == plain_ours
     assert theirs["batch"]["outputs"] == plain_theirs, "vLLM n-gram batch != plain decoding"
     assert [r["outputs"][0] for r in theirs["per_request"]] == plain_theirs
 
@@ -111,13 +121,16 @@ def test_b_ngram_outputs_and_counters(k, vllm_runs, plain_greedy, conformance_mo
             continue        # a near-tie split (case a): the replays need one continuation
         capped.append(replay(prompt, plain_greedy["minivllm"][i], k, cap=True))
         uncapped.append(replay(prompt, plain_greedy["vllm"][i], k, cap=False))
-        ours, vllm = ours_single[i]["counters"], theirs["per_request"][i]["counters"]
+        ours, vllm = ours_per_request[i], theirs["per_request"][i]["counters"]
         assert ours == capped[-1], (i, "minivllm's counters != its own rule replayed", ours,
                                     capped[-1])
         assert vllm == uncapped[-1], (i, "vLLM's counters != its rule replayed: " + ROW18, vllm,
                                       uncapped[-1])
         if capped[-1] == uncapped[-1]:
             assert ours == vllm, (i, ours, vllm)
+    # Each engine's per-request counts add up to its batch counters (same verify steps).
+    assert summed(ours_per_request) == ours_batch["counters"], "minivllm: step records != metrics"
+    assert summed([r["counters"] for r in theirs["per_request"]]) == theirs["batch"]["counters"]
     assert len(capped) >= 6, "too many near-tie splits to compare counters"
     if len(capped) == len(chat_prompts):
         assert ours_batch["counters"] == summed(capped), ours_batch["counters"]

@@ -10,8 +10,13 @@ token ids:
   ``--max-tokens``, stopping at EOS): tokens/s and vLLM's counters (drafts, draft tokens,
   accepted, per-position acceptance, mean acceptance length ``1 + accepted / drafts``).
 
+The throughput table also has Hugging Face ``generate()`` (one left-padded batch for the 32
+requests, counting only the tokens each asked for, as ``bench throughput``; ``--no-hf`` drops it)
+and, with ``--vllm-compiled``, vLLM without ``enforce_eager`` (its torch.compile path: a start of a
+minute or two more per cell).
+
 Each cell, (engine, dtype) for throughput and (engine, prompt kind) for spec, runs in its own
-process; the cells alternate between the engines, so a change in machine load hits both alike.
+process; the cells alternate between the engines, so a change in machine load hits all alike.
 vLLM runs from its own venv (``bash tests/conformance/setup_vllm.sh``; ``MINIVLLM_VLLM_VENV``)
 with ``enforce_eager=True`` and a 1 GiB KV cache, under ``flock /tmp/minivllm-vllm.lock``. This
 file is also the vLLM-side script: run by the vLLM venv's python it imports only vLLM.
@@ -48,12 +53,44 @@ def _counters(llm) -> dict:
     return out
 
 
+def run_hf_cell(cell: dict) -> dict:
+    """Hugging Face ``generate()``: each workload as one left-padded greedy batch run to its longest
+    output (no EOS), counting the tokens each prompt asked for (``bench throughput``'s rule)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(cell["model"],
+                                                 dtype=getattr(torch, cell["dtype"])).eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+    def batch(prompts):
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        return {"input_ids": ids, "attention_mask": mask}
+    results = {}
+    with torch.no_grad():
+        model.generate(**batch([[1, 2, 3]]), max_new_tokens=4, do_sample=False)   # warm-up
+        for name, (prompts, max_tokens, _) in cell["workloads"].items():
+            enc = batch(prompts)
+            t0 = time.perf_counter()
+            out = model.generate(**enc, do_sample=False, max_new_tokens=max(max_tokens),
+                                 eos_token_id=None,
+                                 pad_token_id=pad)
+            seconds = time.perf_counter() - t0
+            new = out[:, enc["input_ids"].shape[1]:]
+            results[name] = {"seconds": seconds, "tokens": sum(max_tokens),
+                             "outputs": [new[i, :n].tolist() for i, n in enumerate(max_tokens)]}
+    return results
+
+
 def run_cell(cell: dict) -> dict:
     spec = NGRAM if cell["kind"] == "spec" else None
-    if cell["engine"] == "vllm":
+    if cell["engine"] == "hf":
+        return run_hf_cell(cell)
+    if cell["engine"].startswith("vllm"):
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
-        llm = LLM(model=cell["model"], dtype=cell["dtype"], enforce_eager=True,
+        llm = LLM(model=cell["model"], dtype=cell["dtype"], enforce_eager=cell["engine"] == "vllm",
                   disable_log_stats=False, speculative_config=spec, max_model_len=2048, seed=0)
 
         def gen(prompts, params):
@@ -142,7 +179,7 @@ def run_in_process(cell: dict, timeout: float) -> dict:
         inp, out = os.path.join(tmp, "cell.json"), os.path.join(tmp, "out.json")
         with open(inp, "w") as f:
             json.dump(cell, f)
-        if cell["engine"] == "vllm":
+        if cell["engine"].startswith("vllm"):
             cmd, env = [vllm_python(), os.path.abspath(__file__), "--cell", inp, out], vllm_env()
         else:
             cmd, env = [sys.executable, "-m", "minivllm.bench", "vllm", "--cell", inp, out], None
@@ -204,6 +241,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-spec", action="store_true", help="skip the n-gram table")
     ap.add_argument("--no-throughput", action="store_true", help="skip the throughput table")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per cell")
+    ap.add_argument("--no-hf", action="store_true", help="no Hugging Face column")
+    ap.add_argument("--vllm-compiled", action="store_true",
+                    help="also vLLM without enforce_eager (torch.compile) in the throughput table")
     args = ap.parse_args(argv)
     vllm_python()                                   # fail now, with the fix, if vLLM is absent
     from tqdm.auto import tqdm
@@ -216,10 +256,12 @@ def main(argv=None) -> None:
         cells += [("throughput", d) for d in args.dtypes.split(",")]
     if not args.no_spec:
         cells += [("grounded", "float32"), ("open", "float32")]
+    extra = ([] if args.no_hf else ["hf"]) + (["vllm_compiled"] if args.vllm_compiled else [])
     jobs = []
-    for i, (kind, dtype) in enumerate(cells):     # alternate which engine goes first
-        for engine in (("minivllm", "vllm") if i % 2 == 0 else ("vllm", "minivllm")):
-            jobs.append((engine, kind, dtype))
+    for i, (kind, dtype) in enumerate(cells):     # rotate which engine goes first
+        engines = ["minivllm", "vllm"] + (extra if kind == "throughput" else [])
+        engines = engines[i % len(engines):] + engines[:i % len(engines)]
+        jobs += [(engine, kind, dtype) for engine in engines]
     results = {}
     for engine, kind, dtype in tqdm(jobs, desc="cells (one process each)", dynamic_ncols=True):
         cell = {"engine": engine, "kind": "throughput" if kind == "throughput" else "spec",
@@ -230,17 +272,23 @@ def main(argv=None) -> None:
     print(f"\n{args.model} on the CPU ({len(os.sched_getaffinity(0))} cores, load average "
           f"{os.getloadavg()[0]:.1f}), greedy; vLLM 0.32.0 CPU build, enforce_eager")
     if not args.no_throughput:
-        print(f"\n{'dtype':9} {'workload':20} {'minivllm tok/s':>15} {'vLLM tok/s':>11} "
-              f"{'minivllm/vLLM':>14}  same outputs")
+        others = ["vllm"] + extra
+        label = {"vllm": "vLLM eager", "vllm_compiled": "vLLM compiled", "hf": "HF"}
+        print(f"\n{'dtype':9} {'workload':19}{'minivllm':>9}" +
+              "".join(f"{label[e]:>14}" for e in others) +
+              "".join(f"{'/ ' + label[e]:>17}" for e in others) + "  same as vLLM eager")
         for dtype in args.dtypes.split(","):
-            mv, vl = results[("minivllm", "throughput", dtype)], results[("vllm", "throughput",
-                                                                          dtype)]
+            mv = results[("minivllm", "throughput", dtype)]
             for name in mv:
-                a, b = mv[name], vl[name]
-                ta, tb = a["tokens"] / a["seconds"], b["tokens"] / b["seconds"]
-                same = sum(x == y for x, y in zip(a["outputs"], b["outputs"]))
-                print(f"{dtype:9} {name.replace(':1', ''):20} {ta:15.1f} {tb:11.1f} "
-                      f"{ta / tb:13.2f}x  {same}/{len(a['outputs'])}")
+                tps = {e: results[(e, "throughput", dtype)][name]["tokens"] /
+                       results[(e, "throughput", dtype)][name]["seconds"]
+                       for e in ["minivllm"] + others}
+                vl = results[("vllm", "throughput", dtype)][name]
+                same = sum(x == y for x, y in zip(mv[name]["outputs"], vl["outputs"]))
+                print(f"{dtype:9} {name.replace(':1', ''):19}{tps['minivllm']:9.1f}" +
+                      "".join(f"{tps[e]:14.1f}" for e in others) +
+                      "".join(f"{tps['minivllm'] / tps[e]:16.2f}x" for e in others) +
+                      f"  {same}/{len(mv[name]['outputs'])}")
     if not args.no_spec:
         print(f"\nn-gram, k={NGRAM['num_speculative_tokens']}, prompt_lookup "
               f"{NGRAM['prompt_lookup_min']}..{NGRAM['prompt_lookup_max']}, float32, up to "

@@ -1,0 +1,20 @@
+"""``bench vllm``'s cells that need no vLLM: Hugging Face's and minivllm's, on a tiny random Llama
+with SmolLM2's tokenizer (float32, greedy): the same token ids and counts in both, as the
+throughput table compares them."""
+from __future__ import annotations
+
+from minivllm.bench.vllm import run_cell
+
+
+def test_hf_and_minivllm_cells_agree_on_a_tiny_llama(tiny_chat_dir):
+    model = tiny_chat_dir
+    workloads = {"1 request:1": ([[5, 9, 3, 17]], [12], True),
+                 "3 requests, mixed": ([[5, 9], [7, 1, 2, 3, 4, 8], [11]], [6, 10, 3], True)}
+    cells = {e: run_cell({"engine": e, "kind": "throughput", "dtype": "float32", "model": model,
+                          "workloads": workloads}) for e in ("hf", "minivllm")}
+    for name, (_, max_tokens, _) in workloads.items():
+        hf, mv = cells["hf"][name], cells["minivllm"][name]
+        assert hf["tokens"] == mv["tokens"] == sum(max_tokens)
+        assert [len(o) for o in hf["outputs"]] == max_tokens
+        assert hf["outputs"] == mv["outputs"], name        # left padding changes nothing
+        assert hf["seconds"] > 0 and mv["seconds"] > 0

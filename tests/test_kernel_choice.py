@@ -12,17 +12,17 @@ def test_choice_is_timed_once_per_shape_and_bucket(monkeypatch):
     calls = []
     real = kc._time_candidates
 
-    def spy(x, w, rounds=3):
-        calls.append((x.shape[0], tuple(w.shape)))
-        return real(x, w, rounds)
+    def spy(x, ws, rounds=3):
+        calls.append((x.shape[0], tuple(ws[0].shape), len(ws)))
+        return real(x, ws, rounds)
 
     monkeypatch.setattr(kc, "_time_candidates", spy)
     w = torch.randn(40, 24)
     for m in (3, 4, 3, 1, 1):
         assert kc.choose(w, m) in kc.CANDIDATES
-    assert calls == [(4, (40, 24)), (1, (40, 24))]   # rows 3 and 4 share the bucket of 4
+    assert calls == [(4, (40, 24), 1), (1, (40, 24), 1)]   # rows 3 and 4 share the bucket of 4
     key = ("cpu", "float32", 40, 24, 4)
-    assert set(kc.CHOICES.timings_us[key]) == {"f_linear", "gemm_wx"}   # pad2 is for 1 row only
+    assert set(kc.CHOICES.timings_us[key]) == set(kc.CANDIDATES) - {"pad2"}   # pad2: 1 row only
     assert "pad2" in kc.CHOICES.timings_us[("cpu", "float32", 40, 24, 1)]
     assert any(line.startswith("40x24 float32 on cpu: 1:") for line in kc.CHOICES.summary())
 
@@ -32,7 +32,7 @@ def test_a_candidate_must_beat_f_linear_clearly(monkeypatch):
     monkeypatch.setattr(kc, "CHOICES", kc.KernelChoices())
     fake = {2: {"f_linear": 100.0, "gemm_wx": 90.0},    # 10 % faster: noise, keep the default
             4: {"f_linear": 100.0, "gemm_wx": 40.0}}    # 2.5x faster: take it
-    monkeypatch.setattr(kc, "_time_candidates", lambda x, w, rounds=3: dict(fake[x.shape[0]]))
+    monkeypatch.setattr(kc, "_time_candidates", lambda x, ws, rounds=3: dict(fake[x.shape[0]]))
     w = torch.randn(8, 8)
     assert kc.choose(w, 2) == "f_linear" and kc.choose(w, 4) == "gemm_wx"
 
@@ -64,3 +64,29 @@ def test_choices_reachable_from_llm_engine(tiny_llama_dir, monkeypatch):
             for m in kc.ROW_BUCKETS:
                 key = ("cpu", "float32", *mod.weight.shape, m)
                 assert choices.chosen[key] in kc.CANDIDATES
+
+
+def test_tune_model_times_each_shape_over_all_its_weights(monkeypatch):
+    """Every weight of one shape is timed in turn (streamed from memory, as a forward reads them),
+    not one matrix over and over from the cache."""
+    monkeypatch.delenv("MINIVLLM_LINEAR_ROUTE", raising=False)
+    monkeypatch.setattr(kc, "CHOICES", kc.KernelChoices())
+    seen = []
+    monkeypatch.setattr(kc, "_time_candidates",
+                        lambda x, ws, rounds=3: seen.append((x.shape[0], len(ws))) or
+                        {"f_linear": 1.0})
+    model = torch.nn.Sequential(*[Linear(16, 16) for _ in range(5)], Linear(16, 8))
+    kc.tune_model(model)
+    assert sorted(seen) == sorted([(m, 5) for m in kc.ROW_BUCKETS] + [(m, 1) for m in kc.ROW_BUCKETS])
+
+
+@pytest.mark.parametrize("route", sorted(kc.CANDIDATES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_route_equals_f_linear(route, dtype):
+    torch.manual_seed(0)
+    w = torch.randn(96, 48).to(dtype)
+    for m in (1, 3, 32):
+        x = torch.randn(m, 48).to(dtype)
+        tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+        torch.testing.assert_close(kc.CANDIDATES[route](x, w), torch.nn.functional.linear(x, w),
+                                   **tol)

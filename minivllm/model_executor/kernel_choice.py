@@ -12,7 +12,8 @@ agree with ``F.linear`` to float32 rounding:
   (``torch.ops.mkldnn._linear_pointwise``, the op PyTorch's CPU compiler emits for a linear;
   vLLM's CPU build also runs its linears through oneDNN). No packed copy of the weight is made, so
   it costs no memory. Measured on a 2-core x86 CPU, SmolLM2's 120 projections at one row:
-  25 ms against F.linear's 41 ms in float32; in bfloat16 it lost (27 against 22 ms).
+  25 ms against F.linear's 41 ms in float32; in bfloat16 it lost (27 against 22 ms). There the
+  streamed timing below chose ``pad2`` for 1 row, ``gemm_wx`` for 2-4 and ``onednn`` for 8-32.
 
 ``x @ W.T`` was a third candidate; measured here it is ``F.linear`` within noise for every shape of
 SmolLM2 (F.linear without bias *is* that matmul on the CPU), so it was dropped.

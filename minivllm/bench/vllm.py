@@ -74,8 +74,7 @@ def run_hf_cell(cell: dict) -> dict:
             enc = batch(prompts)
             t0 = time.perf_counter()
             out = model.generate(**enc, do_sample=False, max_new_tokens=max(max_tokens),
-                                 eos_token_id=None,
-                                 pad_token_id=pad)
+                                 eos_token_id=None, pad_token_id=pad)
             seconds = time.perf_counter() - t0
             new = out[:, enc["input_ids"].shape[1]:]
             results[name] = {"seconds": seconds, "tokens": sum(max_tokens),

@@ -49,13 +49,12 @@ def prompts(chat_prompts):
 @pytest.fixture(scope="module")
 def head_dirs(conformance_model, tmp_path_factory) -> dict[str, tuple[str, str]]:
     """name -> (method, directory): the shipped heads and ``medusa_full``."""
+    import torch
     from safetensors import safe_open
-    from minivllm.model_executor.model_loader import safetensors_weights_iterator
+    from minivllm.model_executor.model_loader import load_model
     from minivllm.train.export import medusa_full_vocab
-    lm_head = None
-    for name, tensor in safetensors_weights_iterator(conformance_model):
-        if name in ("lm_head.weight", "model.embed_tokens.weight"):   # SmolLM2 ties the two
-            lm_head = tensor if lm_head is None or name == "lm_head.weight" else lm_head
+    # The loaded target's lm_head: the model knows whether it is tied to the embeddings (SmolLM2's is).
+    lm_head = load_model(conformance_model, torch.float32, torch.device("cpu")).lm_head.weight
     full = tmp_path_factory.mktemp("medusa_full")
     medusa_full_vocab(str(HEADS / "medusa"), str(full), lm_head)
     with safe_open(str(full / "model.safetensors"), "pt") as f:

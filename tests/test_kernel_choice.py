@@ -12,9 +12,9 @@ def test_choice_is_timed_once_per_shape_and_bucket(monkeypatch):
     calls = []
     real = kc._time_candidates
 
-    def spy(x, ws, rounds=3):
+    def spy(x, ws, rounds=3, **kw):
         calls.append((x.shape[0], tuple(ws[0].shape), len(ws)))
-        return real(x, ws, rounds)
+        return real(x, ws, rounds, **kw)
 
     monkeypatch.setattr(kc, "_time_candidates", spy)
     w = torch.randn(40, 24)
@@ -22,7 +22,8 @@ def test_choice_is_timed_once_per_shape_and_bucket(monkeypatch):
         assert kc.choose(w, m) in kc.CANDIDATES
     assert calls == [(4, (40, 24), 1), (1, (40, 24), 1)]   # rows 3 and 4 share the bucket of 4
     key = ("cpu", "float32", 40, 24, 4)
-    assert set(kc.CHOICES.timings_us[key]) == set(kc.CANDIDATES) - {"pad2"}   # pad2: 1 row only
+    superseded = {kc.SUPERSEDES[n] for n in kc.PREPARE}    # packed oneDNN replaces plain oneDNN
+    assert set(kc.CHOICES.timings_us[key]) == set(kc.CANDIDATES) - {"pad2"} - superseded  # pad2: 1 row
     assert "pad2" in kc.CHOICES.timings_us[("cpu", "float32", 40, 24, 1)]
     assert any(line.startswith("40x24 float32 on cpu: 1:") for line in kc.CHOICES.summary())
 
@@ -32,7 +33,7 @@ def test_a_candidate_must_beat_f_linear_clearly(monkeypatch):
     monkeypatch.setattr(kc, "CHOICES", kc.KernelChoices())
     fake = {2: {"f_linear": 100.0, "gemm_wx": 90.0},    # 10 % faster: noise, keep the default
             4: {"f_linear": 100.0, "gemm_wx": 40.0}}    # 2.5x faster: take it
-    monkeypatch.setattr(kc, "_time_candidates", lambda x, ws, rounds=3: dict(fake[x.shape[0]]))
+    monkeypatch.setattr(kc, "_time_candidates", lambda x, ws, rounds=3, **kw: dict(fake[x.shape[0]]))
     w = torch.randn(8, 8)
     assert kc.choose(w, 2) == "f_linear" and kc.choose(w, 4) == "gemm_wx"
 
@@ -73,7 +74,7 @@ def test_tune_model_times_each_shape_over_all_its_weights(monkeypatch):
     monkeypatch.setattr(kc, "CHOICES", kc.KernelChoices())
     seen = []
     monkeypatch.setattr(kc, "_time_candidates",
-                        lambda x, ws, rounds=3: seen.append((x.shape[0], len(ws))) or
+                        lambda x, ws, rounds=3, **kw: seen.append((x.shape[0], len(ws))) or
                         {"f_linear": 1.0})
     model = torch.nn.Sequential(*[Linear(16, 16) for _ in range(5)], Linear(16, 8))
     kc.tune_model(model)
@@ -88,5 +89,32 @@ def test_every_route_equals_f_linear(route, dtype):
     for m in (1, 3, 32):
         x = torch.randn(m, 48).to(dtype)
         tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
-        torch.testing.assert_close(kc.CANDIDATES[route](x, w), torch.nn.functional.linear(x, w),
-                                   **tol)
+        operand = kc.PREPARE[route](w) if route in kc.PREPARE else w   # e.g. oneDNN's packed copy
+        torch.testing.assert_close(kc.CANDIDATES[route](x, operand),
+                                   torch.nn.functional.linear(x, w), **tol)
+
+
+@pytest.mark.skipif(not kc.PREPARE, reason="this PyTorch build has no oneDNN weight packing")
+def test_prepared_copy_follows_the_weight_and_stays_out_of_the_state_dict(monkeypatch):
+    """A route on a prepared (packed) copy must never compute with a stale copy: writing the
+    weight in place, or replacing the parameter, remakes it; the copy is not a parameter or buffer."""
+    route = next(iter(kc.PREPARE))
+    monkeypatch.setenv("MINIVLLM_LINEAR_ROUTE", route)
+    torch.manual_seed(0)
+    layer = Linear(48, 40, bias=True)
+    x = torch.randn(3, 48)
+
+    def check():
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
+                                   rtol=1e-5, atol=1e-4)
+    check()
+    first = layer._prepared[3]
+    check()
+    assert layer._prepared[3] is first                       # made once, reused
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)                              # in place: the version moves
+    check()
+    layer.weight = torch.nn.Parameter(torch.randn(40, 48))   # replaced
+    check()
+    assert set(layer.state_dict()) == {"weight", "bias"}
+    assert [n for n, _ in layer.named_buffers()] == []

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.model_executor.kernel_choice import CANDIDATES, MAX_TUNED_ROWS, choose
+from minivllm.model_executor.kernel_choice import CANDIDATES, MAX_TUNED_ROWS, PREPARE, choose
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -34,11 +34,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same names) that runs through :func:`linear`, remembering
-    the measured route per row count so the forward pays one list lookup."""
+    the measured route per row count so the forward pays one list lookup.
+
+    A route that reads a prepared copy of the weight (``kernel_choice.PREPARE``: oneDNN's packed
+    layout) gets it from :meth:`prepared_weight`, made on first use and remade whenever ``weight``
+    is replaced or written in place (its version counter moves), so the copy is never stale. The
+    copy is a plain attribute, not a buffer: ``state_dict``, ``.to()`` and every reader of
+    ``weight`` see only the parameter."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._route_by_rows: list = [None] * (MAX_TUNED_ROWS + 1)
+        self._prepared: tuple | None = None   # (route, weight, its version, the copy)
+
+    def set_prepared(self, route: str, copy: torch.Tensor) -> None:
+        """Adopt ``copy`` (``PREPARE[route](self.weight)``, made elsewhere: the tuner's)."""
+        self._prepared = (route, self.weight, self.weight._version, copy)
+
+    def prepared_weight(self, route: str) -> torch.Tensor:
+        w, p = self.weight, self._prepared
+        version = w._version
+        if p is None or p[0] != route or p[1] is not w or p[2] != version:
+            with torch.no_grad():
+                p = self._prepared = (route, w, version, PREPARE[route](w.detach()))
+        return p[3]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0] if x.dim() == 2 else 0
@@ -47,6 +66,8 @@ class Linear(nn.Linear):
         route = self._route_by_rows[m]
         if route is None:
             route = self._route_by_rows[m] = choose(self.weight, m)
+        if route in PREPARE:
+            return linear(x, self.prepared_weight(route), self.bias, route)
         return linear(x, self.weight, self.bias, route)
 
 

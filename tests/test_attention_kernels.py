@@ -127,6 +127,41 @@ def test_reference_schedule_does_not_change_results(monkeypatch, waste):
                                **tol(torch.float32))
 
 
+@pytest.mark.parametrize("group_seqs", [1, 3, 64])
+def test_reference_plan_shared_by_layers_gives_each_layer_its_own_result(monkeypatch, group_seqs):
+    """The per-step plan (length-sorted groups of decodes and verifies, their gather indices and
+    masks) is built by the first layer and reused by the next, whose query and cache differ: both
+    layers must match the naive attention, in every grouping, including equal-length decodes."""
+    monkeypatch.setattr(torch_ref, "_GROUP_SEQS", group_seqs)
+    seqs = [(1, 9), (1, 30), (4, 17), (1, 30), (1, 2), (2, 40), (1, 23), (30, 30)]
+    shared = {}
+    args, keys, values = make_case(seqs, 6, 2, 32, 4, torch.float32, seed=1)
+    for layer in range(2):   # two layers of one step: same metadata, other queries and K/V
+        f = 1.0 + layer
+        query, kv_cache = args[0] * (1 / f), args[1] * f + layer   # NaN slots stay NaN
+        out = torch_ref.unified_attention(query, kv_cache, *args[2:], shared=shared)
+        expected = naive_attention(query, [k * f + layer for k in keys],
+                                   [v * f + layer for v in values], seqs, args[-1])
+        torch.testing.assert_close(out.double(), expected, **tol(torch.float32))
+    assert any(k[0] == "plan" for k in shared)
+    # reshape_and_cache keeps the step's slots in `shared` too: two layers, one slot mapping.
+    slots = torch.tensor([5, -1, 0, 9], dtype=torch.long)
+    written = {}
+    for layer in range(2):
+        k, v = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+        for name, sh in (("shared", written), ("alone", None)):
+            cache = torch.full((2, 3, 4, 2, 8), float("nan"))
+            torch_ref.reshape_and_cache(k, v, cache, slots, shared=sh)
+            torch.testing.assert_close(cache[0].reshape(12, 2, 8)[[5, 0, 9]], k[[0, 2, 3]])
+            torch.testing.assert_close(cache[1].reshape(12, 2, 8)[[5, 0, 9]], v[[0, 2, 3]])
+            assert int(cache[0].reshape(12, 2, 8).isnan().all(-1).all(-1).sum()) == 9
+    equal = [(1, 12)] * 5   # equal-length decodes: no mask at all
+    args, keys, values = make_case(equal, 4, 2, 16, 4, torch.float32, seed=4)
+    torch.testing.assert_close(torch_ref.unified_attention(*args, shared={}).double(),
+                               naive_attention(args[0], keys, values, equal, args[-1]),
+                               **tol(torch.float32))
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_strided_query(backend):
     # Models split a fused qkv projection, so the query rows are strided views.

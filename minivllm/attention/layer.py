@@ -54,10 +54,10 @@ class Attention(nn.Module):
         q = query.view(n, self.num_heads, self.head_dim)
         k = key.view(n, self.num_kv_heads, self.head_dim)
         v = value.view(n, self.num_kv_heads, self.head_dim)
-        self.backend.reshape_and_cache(k, v, self.kv_cache, md.slot_mapping)
+        self.backend.reshape_and_cache(k, v, self.kv_cache, md.slot_mapping, shared=md.shared)
         out = self.backend.unified_attention(
             q, self.kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
-            md.max_query_len, md.max_seq_len, self.scale)
+            md.max_query_len, md.max_seq_len, self.scale, shared=md.shared)
 
         if transfer:
             connector.save_kv_layer(self.layer_name, self.kv_cache, md)

@@ -1,8 +1,9 @@
 """Attention backends by name, a small stand-in for vllm/attention/selector.py (``get_attn_backend``).
 
-A backend is a module with ``reshape_and_cache(key, value, kv_cache, slot_mapping)`` and
-``unified_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max_query_len,
-max_seq_len, scale)``:
+A backend is a module with ``reshape_and_cache(key, value, kv_cache, slot_mapping, shared=None)``
+and ``unified_attention(query, kv_cache, block_table, seq_lens, query_start_loc, max_query_len,
+max_seq_len, scale, shared=None)``; ``shared`` is the step's ``AttentionMetadata.shared``, where a
+backend may keep what all layers of one step compute alike:
 
 - ``"torch"``: plain PyTorch (``torch_ref.py``), the CPU default and the reference;
 - ``"triton"``: the Triton kernels (``triton_attn.py``), interpreted on CPU (``TRITON_INTERPRET=1``);

@@ -15,6 +15,8 @@ query may see (causal with the offset seq_len - query_len).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from minivllm.triton_utils import INTERPRETED, KernelLaunch, triton, tl
@@ -165,8 +167,9 @@ def reshape_and_cache_launch(key: torch.Tensor, value: torch.Tensor, kv_cache: t
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-    """Same contract as ``torch_ref.reshape_and_cache``."""
+                      slot_mapping: torch.Tensor, shared: Optional[dict] = None) -> None:
+    """Same contract as ``torch_ref.reshape_and_cache`` (``shared`` unused: the kernel needs no
+    per-step plan)."""
     if key.shape[0] == 0:
         return
     assert key.stride(2) == 1 and value.stride(2) == 1 and kv_cache.stride(4) == 1
@@ -211,8 +214,9 @@ def unified_attention_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_
 
 def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-                      max_seq_len: int, scale: float) -> torch.Tensor:
-    """Same contract as ``torch_ref.unified_attention``."""
+                      max_seq_len: int, scale: float, shared: Optional[dict] = None) -> torch.Tensor:
+    """Same contract as ``torch_ref.unified_attention`` (``shared`` unused: the kernel finds each
+    query block's sequence itself, ``find_seq_idx``)."""
     out = torch.zeros_like(query)
     if seq_lens.shape[0] == 0 or query.shape[0] == 0:
         return out

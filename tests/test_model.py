@@ -257,3 +257,35 @@ def test_sharded_checkpoint_reads_only_indexed_shards(tmp_path):
     save_file({"tok_embeddings.weight": torch.zeros(2)}, tmp_path / "sharded" / "consolidated.safetensors")
     torch.testing.assert_close(prefill_logits(str(tmp_path / "sharded"), PROMPT),
                                prefill_logits(src, PROMPT), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_equals_textbook_form_and_reuses_rows_within_one_forward(dtype):
+    """``q * cos + rotate_half(q) * sin`` exactly (the fast form rolls the halves and carries the
+    sign in ``sin``); the cos/sin rows are gathered once per forward and never reused across
+    forwards, even for equal positions."""
+    from minivllm.model_executor.rotary_embedding import RotaryEmbedding
+    rope = RotaryEmbedding(16, 10000.0, {"rope_type": "default"}, max_position=64)
+    g = torch.Generator().manual_seed(0)
+    positions = torch.tensor([0, 5, 17, 63])
+    q = torch.randn(4, 3 * 16, generator=g).to(dtype)
+    k = torch.randn(4, 16, generator=g).to(dtype)
+
+    def textbook(x):
+        cs = rope.cos_sin_cache[positions][:, None, :].to(dtype)
+        cos, sin = cs[..., :16], cs[..., 16:]
+        x = x.view(4, -1, 16)
+        rot = torch.cat((-x[..., 8:], x[..., :8]), dim=-1)
+        return (x * cos + rot * sin).view(4, -1)
+    rq, rk = rope(positions, q, k)                     # outside a forward: nothing kept
+    assert rope._rows is None
+    assert torch.equal(rq, textbook(q)) and torch.equal(rk, textbook(k))
+    md = AttentionMetadata(4, torch.tensor([0, 4], dtype=torch.int32), torch.tensor([64]),
+                           torch.zeros(1, 1, dtype=torch.int32), torch.arange(4), 4, 64)
+    with set_forward_context(md, {}):
+        first = rope._cos_sin(positions, dtype)
+        assert rope._cos_sin(positions, dtype)[0] is first[0]          # second layer: reused
+        assert rope._cos_sin(positions.clone(), dtype)[0] is not first[0]   # other positions
+        assert torch.equal(rope(positions, q, k)[0], textbook(q))
+    with set_forward_context(md, {}):                  # the next forward gathers again
+        assert rope._cos_sin(positions, dtype)[0] is not first[0]

@@ -3,10 +3,13 @@ vllm/model_executor/layers/rotary_embedding/ (``get_rope``, ``RotaryEmbedding``)
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from minivllm.forward_context import get_forward_context, is_forward_context_available
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -56,6 +59,10 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
         self.inv_freq = inv_freq   # [head_dim // 2] float32
         self.cos_sin_cache: Optional[torch.Tensor] = None   # [max_position, 2 * head_dim]
+        # The rows of this forward's positions, made by the first layer and reused by the others
+        # (one shared instance serves every layer): (forward context, positions, dtype, cos, sin).
+        # Weak references, so that no step's tensors outlive it.
+        self._rows: Optional[tuple] = None
 
     def _build_cache(self, length: int, device: torch.device) -> None:
         freqs = torch.arange(length, device=device).float()[:, None] * self.inv_freq.to(device)[None, :]
@@ -63,12 +70,30 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin_cache = torch.cat((emb.cos(), emb.sin()), dim=-1)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        """``positions [n]``, ``query [n, heads * head_dim]``, ``key [n, kv_heads * head_dim]`` ->
+        both rotated (new tensors)."""
+        cos, sin = self._cos_sin(positions, query.dtype)
+        return _rotate(query, cos, sin, self.head_dim), _rotate(key, cos, sin, self.head_dim)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """``cos [n, 1, head_dim]`` and ``sin [n, 1, head_dim]`` with the first half negated, in
+        ``dtype``: the same for every layer of one forward, so they are gathered once per forward
+        (inside ``set_forward_context``; outside it, on every call)."""
+        ctx = get_forward_context() if is_forward_context_available() else None
+        rows = self._rows
+        if ctx is not None and rows is not None and rows[0]() is ctx and rows[1]() is positions \
+                and rows[2] == dtype:
+            return rows[3], rows[4]
         cache = self.cos_sin_cache
         if cache is None or cache.device != positions.device:   # no length check: no host sync
             self._build_cache(self.max_position, positions.device)
-        cos_sin = self.cos_sin_cache.index_select(0, positions)[:, None, :].to(query.dtype)
-        cos, sin = cos_sin[..., : self.head_dim], cos_sin[..., self.head_dim:]
-        return _rotate(query, cos, sin, self.head_dim), _rotate(key, cos, sin, self.head_dim)
+        cos_sin = self.cos_sin_cache.index_select(0, positions)[:, None, :].to(dtype)
+        half = self.head_dim // 2
+        cos, sin = cos_sin[..., : self.head_dim], cos_sin[..., self.head_dim:].clone()
+        sin[..., :half].neg_()   # rotate_half(x) * sin == roll(x, half) * (-sin | sin), exactly
+        if ctx is not None:
+            self._rows = (weakref.ref(ctx), weakref.ref(positions), dtype, cos, sin)
+        return cos, sin
 
 
 _ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
@@ -86,10 +111,12 @@ def get_rope(head_dim: int, rope_theta: float, rope_parameters: dict,
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Neox rotation ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = (-x2, x1)``:
+    rolling the halves gives ``(x2, x1)`` and ``sin`` carries the minus sign (``_cos_sin``), so the
+    products are the same numbers as the textbook form, in four ops instead of seven."""
     n = x.shape[0]
     x = x.view(n, -1, head_dim)
-    x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2:]
-    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).view(n, -1)
+    return (x * cos + x.roll(head_dim // 2, dims=-1) * sin).view(n, -1)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:

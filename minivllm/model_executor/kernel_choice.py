@@ -27,7 +27,8 @@ SmolLM2 (F.linear without bias *is* that matmul on the CPU), so it was dropped.
 
 Which one wins depends on the CPU, the BLAS, the dtype, the weight's shape and the row count, so
 it is measured once per ``(device, dtype, out, in, row bucket)`` (rows rounded up to a power of
-two, up to ``MAX_TUNED_ROWS``; more rows always take ``f_linear``) and cached for the process. A
+two, up to ``MAX_TUNED_ROWS``; every larger count, a prefill, shares one bucket timed at
+``MANY_ROWS`` rows) and cached for the process. A
 candidate replaces ``f_linear`` only if it is at least ``MIN_GAIN`` faster: on a busy machine most
 shapes differ by noise, and then the default (and its summation order) is kept.
 ``MINIVLLM_LINEAR_ROUTE=<candidate>`` fixes the choice (for tests and for comparisons).
@@ -48,7 +49,15 @@ import torch.nn.functional as F
 logger = logging.getLogger("minivllm.kernel_choice")
 
 MAX_TUNED_ROWS = 32
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
+# Every row count above MAX_TUNED_ROWS (prefill chunks) takes the route timed at MANY_ROWS rows,
+# over at most MANY_ROWS_WEIGHTS weights of the shape: with that many rows a product is bound by
+# arithmetic, not by streaming the weight, so a few matrices time it as well as thirty would.
+# Only F.linear and the prepared-weight routes compete there (the others are few-row tricks).
+# Measured on a 2-core x86 CPU, float32 SmolLM2's 120 projections at 1024 rows: 1,070 ms with
+# oneDNN's packed weight against 1,340 with F.linear.
+MANY_ROWS = 128
+MANY_ROWS_WEIGHTS = 2
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, MANY_ROWS)
 MIN_GAIN = 0.15   # a candidate must be this much faster than f_linear to be chosen
 
 
@@ -101,7 +110,9 @@ ShapeKey = tuple[str, str, int, int, int]   # (device type, dtype, out, in, row 
 
 
 def row_bucket(m: int) -> int:
-    """Smallest power of two >= m (m <= MAX_TUNED_ROWS)."""
+    """Smallest power of two >= m up to MAX_TUNED_ROWS; MANY_ROWS above."""
+    if m > MAX_TUNED_ROWS:
+        return MANY_ROWS
     return 1 << (m - 1).bit_length()
 
 
@@ -155,6 +166,8 @@ def _time_candidates(x: torch.Tensor, weights: list[torch.Tensor], rounds: int =
     superseded = {SUPERSEDES.get(n) for n in prepared}
     names = [n for n in CANDIDATES if (n != "pad2" or x.shape[0] == 1)
              and (n not in PREPARE or n in prepared) and n not in superseded]
+    if x.shape[0] > MAX_TUNED_ROWS:
+        names = [n for n in names if n == "f_linear" or n in PREPARE]
     operands = {n: prepared.get(n, weights) for n in names}
     best = {name: float("inf") for name in names}
     # A sample should last ~1 ms for the timer: a short list of small weights repeats.
@@ -176,7 +189,7 @@ def _time_candidates(x: torch.Tensor, weights: list[torch.Tensor], rounds: int =
 
 def choose(weight: torch.Tensor, m: int, same_shape: Optional[list[torch.Tensor]] = None,
            prepared: Optional[dict[str, list[torch.Tensor]]] = None) -> str:
-    """The route for ``m`` rows (1 <= m <= MAX_TUNED_ROWS) times ``weight``; timed on first use,
+    """The route for ``m`` rows (m >= 1) times ``weight``; timed on first use,
     over ``same_shape`` (every weight of the model with this shape and dtype) when given, with
     ``prepared`` their prepared copies (see ``_time_candidates``)."""
     forced = forced_route()

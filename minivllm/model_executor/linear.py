@@ -3,10 +3,10 @@
 fused layers ``MergedColumnParallelLinear`` (``gate_up_proj``) and ``QKVParallelLinear``
 (``qkv_proj``), whose weight is the checkpoint's separate matrices stacked along the output dim.
 
-On the CPU, a product with few rows (a decode batch: one row per request; spec-decode
-verification: k + 1 per request) can run several ways at very different speeds; which is fastest
-is measured per weight shape and row count (``kernel_choice``), not assumed. Many rows (prefill),
-CUDA, and non-2-D inputs take ``F.linear``. All routes agree with ``F.linear`` to float32 rounding.
+On the CPU, a product can run several ways at very different speeds (a decode batch: one row
+per request; spec-decode verification: k + 1 per request; a prefill chunk: many rows); which is
+fastest is measured per weight shape and row count (``kernel_choice``), not assumed. CUDA and
+non-2-D inputs take ``F.linear``. All routes agree with ``F.linear`` to float32 rounding.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            route: str | None = None) -> torch.Tensor:
     """``x [m, in]``, ``weight [out, in]``, ``bias [out]`` -> ``[m, out]``."""
     m = x.shape[0] if x.dim() == 2 else 0
-    if x.device.type != "cpu" or not 1 <= m <= MAX_TUNED_ROWS:
+    if x.device.type != "cpu" or m == 0:
         return F.linear(x, weight, bias)
     route = route or choose(weight, m)
     if route == "f_linear":
@@ -44,7 +44,8 @@ class Linear(nn.Linear):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._route_by_rows: list = [None] * (MAX_TUNED_ROWS + 1)
+        # Index m for m <= MAX_TUNED_ROWS rows, the last entry for more (a prefill).
+        self._route_by_rows: list = [None] * (MAX_TUNED_ROWS + 2)
         self._prepared: tuple | None = None   # (route, weight, its version, the copy)
 
     def set_prepared(self, route: str, copy: torch.Tensor) -> None:
@@ -61,11 +62,12 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0] if x.dim() == 2 else 0
-        if x.device.type != "cpu" or not 1 <= m <= MAX_TUNED_ROWS:
+        if x.device.type != "cpu" or m == 0:
             return F.linear(x, self.weight, self.bias)
-        route = self._route_by_rows[m]
+        i = min(m, MAX_TUNED_ROWS + 1)
+        route = self._route_by_rows[i]
         if route is None:
-            route = self._route_by_rows[m] = choose(self.weight, m)
+            route = self._route_by_rows[i] = choose(self.weight, m)
         if route in PREPARE:
             return linear(x, self.prepared_weight(route), self.bias, route)
         return linear(x, self.weight, self.bias, route)

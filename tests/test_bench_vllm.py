@@ -3,6 +3,8 @@ with SmolLM2's tokenizer (float32, greedy): the same token ids and counts in bot
 throughput table compares them."""
 from __future__ import annotations
 
+import pytest
+
 from minivllm.bench.vllm import run_cell
 
 
@@ -18,3 +20,18 @@ def test_hf_and_minivllm_cells_agree_on_a_tiny_llama(tiny_chat_dir):
         assert [len(o) for o in hf["outputs"]] == max_tokens
         assert hf["outputs"] == mv["outputs"], name        # left padding changes nothing
         assert hf["seconds"] > 0 and mv["seconds"] > 0
+
+
+def test_a_relative_vllm_venv_path_is_made_absolute(tmp_path, monkeypatch):
+    """The cells run in another working directory, so ``MINIVLLM_VLLM_VENV=.venv-vllm`` (the
+    README's command) must resolve against the caller's directory before they start."""
+    from minivllm.bench.vllm import vllm_python
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / ".minivllm-vllm-ready").write_text("0.32.0")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MINIVLLM_VLLM_VENV", "venv")
+    assert vllm_python() == str(venv / "bin" / "python")
+    monkeypatch.setenv("MINIVLLM_VLLM_VENV", "missing")
+    with pytest.raises(SystemExit, match="no vLLM venv"):
+        vllm_python()

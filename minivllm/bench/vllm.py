@@ -131,7 +131,8 @@ def run_cell(cell: dict) -> dict:
 # The driver (minivllm's venv).
 
 def vllm_python() -> str:
-    venv = os.environ.get("MINIVLLM_VLLM_VENV") or os.path.join(ROOT, ".venv-vllm")
+    # Absolute: the cells run with another working directory.
+    venv = os.path.abspath(os.environ.get("MINIVLLM_VLLM_VENV") or os.path.join(ROOT, ".venv-vllm"))
     python = os.path.join(venv, "bin", "python")
     if not os.path.exists(os.path.join(venv, ".minivllm-vllm-ready")):
         raise SystemExit(f"no vLLM venv at {venv}: create it with "

@@ -1,4 +1,4 @@
-"""Pick, by timing on the machine at hand, how a few-row ``y = x @ W.T`` runs; the role of vLLM's
+"""Pick, by timing on the machine at hand, how ``y = x @ W.T`` runs on the CPU; the role of vLLM's
 autotuned kernel configs (vllm/model_executor/layers/fused_moe/configs, Triton's ``autotune``).
 
 The candidates compute the same product with another memory layout or summation order, so they
@@ -12,15 +12,17 @@ agree with ``F.linear`` to float32 rounding:
   (``torch.ops.mkldnn._linear_pointwise``, the op PyTorch's CPU compiler emits for a linear;
   vLLM's CPU build also runs its linears through oneDNN). No packed copy of the weight is made, so
   it costs no memory. Measured on a 2-core x86 CPU, SmolLM2's 120 projections at one row:
-  25 ms against F.linear's 41 ms in float32; in bfloat16 it lost (27 against 22 ms). There the
-  streamed timing below chose ``pad2`` for 1 row, ``gemm_wx`` for 2-4 and ``onednn`` for 8-32.
+  25 ms against F.linear's 41 ms in float32; in bfloat16 it lost (27 against 22 ms). Where
+  ``onednn_packed`` works it is not timed (``SUPERSEDES``).
 - ``onednn_packed``: the same primitive on a copy of the weight reordered once into oneDNN's
   blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what vLLM's CPU build and PyTorch's
   CPU compiler do with their weights). The copy is an opaque oneDNN tensor held by the layer beside
   its plain ``weight`` (which stays the parameter every reader sees), so a layer that takes this
   route keeps its weight twice in memory; only the copy is read per step. Measured on the same CPU,
-  the 120 projections: 11.6 against F.linear's 16.9 ms at one row in bfloat16, 24.6 against 33.4
-  at 32 rows; 43.9 against oneDNN-plain's 55.4 ms at 32 rows in float32.
+  SmolLM2's 120 projections called in the model's order: 15.4 against F.linear's 23.9 ms at one
+  row in bfloat16; at 128 rows in float32, 147 against 204 ms. There the timing below chose
+  ``pad2`` for 1 row and ``gemm_wx`` for 2 rows in float32, and this route for most other shapes
+  and row counts in both dtypes (the choices move from run to run where two routes are close).
 
 ``x @ W.T`` was a third candidate; measured here it is ``F.linear`` within noise for every shape of
 SmolLM2 (F.linear without bias *is* that matmul on the CPU), so it was dropped.

@@ -48,7 +48,7 @@ def test_forced_route_and_bad_value(monkeypatch):
 
 def test_module_caches_route_per_row_count(monkeypatch):
     monkeypatch.setenv("MINIVLLM_LINEAR_ROUTE", "pad2")
-    layer = Linear(8, 6, bias=True)
+    layer = Linear(8, 6, bias=True).requires_grad_(False)   # as after load_model
     x = torch.randn(1, 8)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
     assert layer._route_by_rows[1] == "pad2" and layer._route_by_rows[2] is None
@@ -101,7 +101,7 @@ def test_prepared_copy_follows_the_weight_and_stays_out_of_the_state_dict(monkey
     route = next(iter(kc.PREPARE))
     monkeypatch.setenv("MINIVLLM_LINEAR_ROUTE", route)
     torch.manual_seed(0)
-    layer = Linear(48, 40, bias=True)
+    layer = Linear(48, 40, bias=True).requires_grad_(False)   # as after load_model
     x = torch.randn(3, 48)
 
     def check():
@@ -114,7 +114,25 @@ def test_prepared_copy_follows_the_weight_and_stays_out_of_the_state_dict(monkey
     with torch.no_grad():
         layer.weight.mul_(-2.0)                              # in place: the version moves
     check()
-    layer.weight = torch.nn.Parameter(torch.randn(40, 48))   # replaced
+    layer.weight = torch.nn.Parameter(torch.randn(40, 48), requires_grad=False)   # replaced
     check()
     assert set(layer.state_dict()) == {"weight", "bias"}
     assert [n for n, _ in layer.named_buffers()] == []
+
+
+@pytest.mark.skipif(not kc.PREPARE, reason="this PyTorch build has no oneDNN weight packing")
+def test_gradients_reach_the_weight_whatever_the_route(monkeypatch):
+    """Training through a ``Linear`` (an exercise fine-tuning a layer, say) must get the weight's
+    gradient: with autograd on, the forward takes F.linear, not a packed copy."""
+    monkeypatch.setenv("MINIVLLM_LINEAR_ROUTE", next(iter(kc.PREPARE)))
+    torch.manual_seed(0)
+    layer, ref = Linear(16, 8), torch.nn.Linear(16, 8)
+    ref.load_state_dict(layer.state_dict())
+    x = torch.randn(40, 16)
+    layer(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
+    assert layer._prepared is None                    # no copy was made or read
+    with torch.no_grad():
+        layer(x)
+    assert layer._prepared is not None                # inference takes the route

@@ -23,7 +23,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            route: str | None = None) -> torch.Tensor:
     """``x [m, in]``, ``weight [out, in]``, ``bias [out]`` -> ``[m, out]``."""
     m = x.shape[0] if x.dim() == 2 else 0
-    if x.device.type != "cpu" or m == 0:
+    if x.device.type != "cpu" or m == 0 or (torch.is_grad_enabled() and (
+            weight.requires_grad or x.requires_grad)):   # autograd: F.linear only (see Linear)
         return F.linear(x, weight, bias)
     route = route or choose(weight, m)
     if route == "f_linear":
@@ -62,7 +63,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0] if x.dim() == 2 else 0
-        if x.device.type != "cpu" or m == 0:
+        # Autograd goes through F.linear only: the oneDNN routes have no backward, and a packed
+        # copy is not the parameter, so a gradient would silently miss the weight.
+        if x.device.type != "cpu" or m == 0 or (torch.is_grad_enabled() and (
+                self.weight.requires_grad or x.requires_grad)):
             return F.linear(x, self.weight, self.bias)
         i = min(m, MAX_TUNED_ROWS + 1)
         route = self._route_by_rows[i]

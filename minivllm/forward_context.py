@@ -6,10 +6,13 @@ KV connector's ``start_load_kv(forward_context)`` finds the layers' caches throu
 
 vLLM keeps the worker-side connector in a process-wide global (``get_kv_transfer_group()``); we keep
 it on the context instead, so that a prefill and a decode instance can live in one Python process
-(tests and notebooks do this).
+(tests and notebooks do this). For the same reason the context is per thread: two engines
+stepping in two threads of one process (a server's engine thread beside another instance) must
+not see, or restore, each other's context.
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -24,27 +27,27 @@ class ForwardContext:
     kv_connector: Any = None
 
 
-_forward_context: Optional[ForwardContext] = None
+_local = threading.local()   # .ctx: this thread's ForwardContext, or absent
 
 
 def get_forward_context() -> ForwardContext:
-    assert _forward_context is not None, (
+    ctx = getattr(_local, "ctx", None)
+    assert ctx is not None, (
         "Forward context is not set: the model must run inside set_forward_context(...).")
-    return _forward_context
+    return ctx
 
 
 def is_forward_context_available() -> bool:
-    return _forward_context is not None
+    return getattr(_local, "ctx", None) is not None
 
 
 @contextmanager
 def set_forward_context(attn_metadata: Any, no_compile_layers: dict[str, Any],
                         kv_connector: Any = None):
-    global _forward_context
-    prev = _forward_context
-    _forward_context = ForwardContext(no_compile_layers=no_compile_layers,
+    prev = getattr(_local, "ctx", None)
+    ctx = _local.ctx = ForwardContext(no_compile_layers=no_compile_layers,
                                       attn_metadata=attn_metadata, kv_connector=kv_connector)
     try:
-        yield _forward_context
+        yield ctx
     finally:
-        _forward_context = prev
+        _local.ctx = prev

@@ -264,6 +264,7 @@ def test_rotary_equals_textbook_form_and_reuses_rows_within_one_forward(dtype):
     """``q * cos + rotate_half(q) * sin`` exactly (the fast form rolls the halves and carries the
     sign in ``sin``); the cos/sin rows are gathered once per forward and never reused across
     forwards, even for equal positions."""
+    from minivllm.forward_context import is_forward_context_available
     from minivllm.model_executor.rotary_embedding import RotaryEmbedding
     rope = RotaryEmbedding(16, 10000.0, {"rope_type": "default"}, max_position=64)
     g = torch.Generator().manual_seed(0)
@@ -277,6 +278,7 @@ def test_rotary_equals_textbook_form_and_reuses_rows_within_one_forward(dtype):
         x = x.view(4, -1, 16)
         rot = torch.cat((-x[..., 8:], x[..., :8]), dim=-1)
         return (x * cos + rot * sin).view(4, -1)
+    assert not is_forward_context_available()
     rq, rk = rope(positions, q, k)                     # outside a forward: nothing kept
     assert rope._rows is None
     assert torch.equal(rq, textbook(q)) and torch.equal(rk, textbook(k))
@@ -289,3 +291,38 @@ def test_rotary_equals_textbook_form_and_reuses_rows_within_one_forward(dtype):
         assert torch.equal(rope(positions, q, k)[0], textbook(q))
     with set_forward_context(md, {}):                  # the next forward gathers again
         assert rope._cos_sin(positions, dtype)[0] is not first[0]
+
+
+def test_forward_context_is_per_thread():
+    """Two engines stepping in two threads (a server's engine thread beside another instance)
+    interleave their forwards: each thread sees only its own context, and when both are done
+    neither leaves one behind (a process-wide global restored the other thread's)."""
+    import threading
+
+    from minivllm.forward_context import get_forward_context, is_forward_context_available
+    entered, release = threading.Barrier(2), threading.Barrier(2)
+    seen, errors = {}, []
+
+    def step(name, md_obj, exit_order):
+        try:
+            with set_forward_context(md_obj, {}):
+                entered.wait(timeout=10)
+                if name == "second":
+                    release.wait(timeout=10)       # the first thread leaves first
+                seen[name] = get_forward_context().attn_metadata
+                if name == "first":
+                    release.wait(timeout=10)
+            exit_order.append(name)
+            seen[name + " after"] = is_forward_context_available()
+        except Exception as e:   # noqa: BLE001 (reported below)
+            errors.append(e)
+    order: list = []
+    threads = [threading.Thread(target=step, args=(n, n + " metadata", order))
+               for n in ("first", "second")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert not errors and seen["first"] == "first metadata" and seen["second"] == "second metadata"
+    assert seen["first after"] is False and seen["second after"] is False
+    assert not is_forward_context_available()

@@ -136,3 +136,14 @@ def test_gradients_reach_the_weight_whatever_the_route(monkeypatch):
     with torch.no_grad():
         layer(x)
     assert layer._prepared is not None                # inference takes the route
+
+
+def test_many_rows_are_timed_on_a_few_weights_and_only_against_prepared_routes(monkeypatch):
+    """Above MAX_TUNED_ROWS (a prefill chunk) a product is compute-bound: the bucket is timed over
+    MANY_ROWS_WEIGHTS matrices of the shape, F.linear against the prepared-weight routes only."""
+    seen = []
+    monkeypatch.setitem(kc.CANDIDATES, "f_linear", lambda x, w: seen.append(id(w)) or x @ w.T)
+    weights = [torch.randn(8, 16) for _ in range(5)]
+    timings = kc._time_candidates(torch.randn(kc.MANY_ROWS, 16), weights, rounds=1)
+    assert set(seen) == {id(w) for w in weights[:kc.MANY_ROWS_WEIGHTS]}
+    assert set(timings) == {"f_linear"} | set(kc.prepare_operands(weights[:1]))

@@ -164,6 +164,10 @@ def _time_candidates(x: torch.Tensor, weights: list[torch.Tensor], rounds: int =
     over and over would time it from the cache, where the routes differ little; streamed from
     memory, as in a forward, they can differ by 1.6x. ``prepared``: the copies a prepared-weight
     candidate runs on (``prepare_operands(weights)``, made here when not given)."""
+    if x.shape[0] > MAX_TUNED_ROWS:   # compute-bound: a few matrices time it (MANY_ROWS_WEIGHTS)
+        weights = weights[:MANY_ROWS_WEIGHTS]
+        if prepared is not None:
+            prepared = {n: copies[:MANY_ROWS_WEIGHTS] for n, copies in prepared.items()}
     prepared = prepare_operands(weights) if prepared is None else prepared
     superseded = {SUPERSEDES.get(n) for n in prepared}
     names = [n for n in CANDIDATES if (n != "pad2" or x.shape[0] == 1)
@@ -211,8 +215,7 @@ def _tune(key: ShapeKey, weights: list[torch.Tensor], prepared=None) -> str:
     weight = weights[0]
     g = torch.Generator(device=weight.device).manual_seed(0)
     x = torch.randn(key[4], weight.shape[1], generator=g, device=weight.device).to(weight.dtype)
-    timings = _time_candidates(x, weights, prepared=prepared) if prepared is not None \
-        else _time_candidates(x, weights)
+    timings = _time_candidates(x, weights, prepared=prepared)
     name = min(timings, key=timings.get)
     if timings[name] > (1 - MIN_GAIN) * timings["f_linear"]:
         name = "f_linear"

@@ -117,14 +117,20 @@ def test_batch_shapes(seqs):
                                **tol(torch.float32))
 
 
+@pytest.mark.parametrize("seqs", [MIXED, MIXED + [(20, 24)]], ids=["short", "with_long"])
 @pytest.mark.parametrize("waste", [0.0, float("inf")])
-def test_reference_schedule_does_not_change_results(monkeypatch, waste):
-    # 0: every long query runs alone; inf: one padded batch for everything.
+def test_reference_schedule_does_not_change_results(monkeypatch, waste, seqs):
+    # 0: every long query runs alone; inf: one padded batch for everything once a query is long
+    # (all-short batches always run in length-sorted groups).
     monkeypatch.setattr(torch_ref, "_MAX_PADDING_WASTE", waste)
-    args, keys, values = make_case(MIXED, 6, 2, 48, 4, torch.float32, seed=3)
-    expected = naive_attention(args[0], keys, values, MIXED, args[-1])
-    torch.testing.assert_close(torch_ref.unified_attention(*args).double(), expected,
-                               **tol(torch.float32))
+    args, keys, values = make_case(seqs, 6, 2, 48, 4, torch.float32, seed=3)
+    shared = {}
+    expected = naive_attention(args[0], keys, values, seqs, args[-1])
+    torch.testing.assert_close(torch_ref.unified_attention(*args, shared=shared).double(),
+                               expected, **tol(torch.float32))
+    groups = shared[("plan", 4, 3, torch.float32)]
+    if seqs is not MIXED:
+        assert len(groups) == (1 if waste == float("inf") else 2)   # short ones + the long one
 
 
 @pytest.mark.parametrize("group_seqs", [1, 3, 64])

@@ -18,8 +18,9 @@ Shapes:
 Speed matters here (it is what runs on a laptop), so nothing loops over tokens: the sequences' K/V
 are gathered from the cache with one ``index_select`` into a padded batch and attention is one
 ``scaled_dot_product_attention`` call with an explicit causal mask (``_attend``). A lone sequence
-takes a shortcut with less bookkeeping (``_attend_single``), and a batch where padding would waste
-too much (a long prefill next to decodes) is split into a few such calls.
+takes a shortcut with less bookkeeping (``_attend_single``); decodes and other short queries run in
+length-sorted groups of ``_GROUP_SEQS``, and a long query next to others that would waste too much
+padding (a long prefill beside decodes) runs alone. The plan is built once per step (``_plan``).
 """
 from __future__ import annotations
 

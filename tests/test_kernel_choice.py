@@ -147,3 +147,25 @@ def test_many_rows_are_timed_on_a_few_weights_and_only_against_prepared_routes(m
     timings = kc._time_candidates(torch.randn(kc.MANY_ROWS, 16), weights, rounds=1)
     assert set(seen) == {id(w) for w in weights[:kc.MANY_ROWS_WEIGHTS]}
     assert set(timings) == {"f_linear"} | set(kc.prepare_operands(weights[:1]))
+
+
+def test_packing_can_be_switched_off(monkeypatch):
+    """``MINIVLLM_LINEAR_PACK=0``: routes are still timed, but no prepared copy is made or held."""
+    monkeypatch.delenv("MINIVLLM_LINEAR_ROUTE", raising=False)
+    monkeypatch.setenv("MINIVLLM_LINEAR_PACK", "0")
+    monkeypatch.setattr(kc, "CHOICES", kc.KernelChoices())
+    model = torch.nn.Sequential(Linear(32, 24), Linear(24, 32)).requires_grad_(False)
+    kc.tune_model(model)
+    assert all(mod._prepared is None for mod in model)
+    for timings in kc.CHOICES.timings_us.values():
+        assert not set(timings) & set(kc.PREPARE) and "f_linear" in timings
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        ref = x
+        for mod in model:
+            ref = torch.nn.functional.linear(ref, mod.weight, mod.bias)
+        torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-4)
+    assert all(mod._prepared is None for mod in model)
+    monkeypatch.setenv("MINIVLLM_LINEAR_PACK", "maybe")
+    with pytest.raises(ValueError, match="MINIVLLM_LINEAR_PACK"):
+        kc.prepare_operands([torch.randn(4, 4)])

@@ -33,7 +33,9 @@ two, up to ``MAX_TUNED_ROWS``; every larger count, a prefill, shares one bucket 
 ``MANY_ROWS`` rows) and cached for the process. A
 candidate replaces ``f_linear`` only if it is at least ``MIN_GAIN`` faster: on a busy machine most
 shapes differ by noise, and then the default (and its summation order) is kept.
-``MINIVLLM_LINEAR_ROUTE=<candidate>`` fixes the choice (for tests and for comparisons).
+``MINIVLLM_LINEAR_ROUTE=<candidate>`` fixes the choice (for tests and for comparisons);
+``MINIVLLM_LINEAR_PACK=0`` keeps the timing but leaves out the prepared-weight candidates, so no
+layer holds a second copy of its weight (float32 SmolLM2: about 700 MB less resident memory).
 
 Only the CPU is tuned: on CUDA ``F.linear`` is cuBLAS with its own heuristics.
 """
@@ -54,7 +56,8 @@ MAX_TUNED_ROWS = 32
 # Every row count above MAX_TUNED_ROWS (prefill chunks) takes the route timed at MANY_ROWS rows,
 # over at most MANY_ROWS_WEIGHTS weights of the shape: with that many rows a product is bound by
 # arithmetic, not by streaming the weight, so a few matrices time it as well as thirty would.
-# Only F.linear and the prepared-weight routes compete there (the others are few-row tricks).
+# Only F.linear and oneDNN (packed, or plain where packing is off) compete there: the others are
+# few-row tricks.
 # Measured on a 2-core x86 CPU, float32 SmolLM2's 120 projections at 1024 rows: 1,070 ms with
 # oneDNN's packed weight against 1,340 with F.linear.
 MANY_ROWS = 128
@@ -143,10 +146,21 @@ def forced_route() -> Optional[str]:
     return route or None
 
 
+def packing_allowed() -> bool:
+    """False under ``MINIVLLM_LINEAR_PACK=0``: no prepared-weight candidate is made or timed."""
+    value = os.environ.get("MINIVLLM_LINEAR_PACK", "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "no", "yes", ""):
+        raise ValueError(f"MINIVLLM_LINEAR_PACK={value!r}: use 1 (default) or 0.")
+    return value not in ("0", "false", "no")
+
+
 def prepare_operands(weights: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
     """Each prepared-weight candidate's copies of ``weights`` (``PREPARE``); a candidate this
-    oneDNN build cannot prepare for the dtype or CPU is left out."""
+    oneDNN build cannot prepare for the dtype or CPU is left out, and all of them under
+    ``MINIVLLM_LINEAR_PACK=0``."""
     out = {}
+    if not packing_allowed():
+        return out
     for name, prepare in PREPARE.items():
         try:
             out[name] = [prepare(w) for w in weights]
@@ -173,7 +187,7 @@ def _time_candidates(x: torch.Tensor, weights: list[torch.Tensor], rounds: int =
     names = [n for n in CANDIDATES if (n != "pad2" or x.shape[0] == 1)
              and (n not in PREPARE or n in prepared) and n not in superseded]
     if x.shape[0] > MAX_TUNED_ROWS:
-        names = [n for n in names if n == "f_linear" or n in PREPARE]
+        names = [n for n in names if n == "f_linear" or n in PREPARE or n in SUPERSEDES.values()]
     operands = {n: prepared.get(n, weights) for n in names}
     best = {name: float("inf") for name in names}
     # A sample should last ~1 ms for the timer: a short list of small weights repeats.

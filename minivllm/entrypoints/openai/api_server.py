@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server, mirroring vllm/entrypoints/openai/api_server.py and
-``vllm serve``: FastAPI routes in front of one ``AsyncLLM`` (one engine loop thread that batches
-every HTTP request continuously), served by uvicorn.
+``vllm serve``: FastAPI routes in front of one ``AsyncLLM`` (one engine loop, in the main thread,
+that batches every HTTP request continuously), served by uvicorn in a second thread.
 
     python -m minivllm.serve --port 8000            # or: minivllm serve --port 8000
 
@@ -103,7 +103,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def build_async_llm(args: argparse.Namespace) -> AsyncLLM:
+def build_async_llm(args: argparse.Namespace, start: bool = True) -> AsyncLLM:
+    """The server's engine; ``start=False`` leaves the loop for ``AsyncLLM.run_engine_loop``."""
     from minivllm.entrypoints.llm import LLM
     if args.max_pending_requests < 1:
         raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}.")
@@ -122,21 +123,46 @@ def build_async_llm(args: argparse.Namespace) -> AsyncLLM:
               num_gpu_blocks_override=args.num_gpu_blocks_override, dtype=args.dtype,
               device=args.device, attention_backend=args.attention_backend,
               enable_chunked_prefill=args.enable_chunked_prefill)
-    return AsyncLLM(llm, max_pending_requests=args.max_pending_requests).start()
+    async_llm = AsyncLLM(llm, max_pending_requests=args.max_pending_requests)
+    return async_llm.start() if start else async_llm
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    """The engine loop runs in this (the main) thread and uvicorn in a second one: on the CPU a
+    model stepped from a second thread runs its OpenMP regions slower (engine/async_llm.py's
+    docstring has the measurement). SIGINT/SIGTERM ask uvicorn to finish its requests and stop;
+    then the engine loop stops. A second signal stops uvicorn without waiting."""
+    import signal
+    import threading
+
     import uvicorn
     args = make_arg_parser().parse_args(argv)
     if args.model_tag is not None:
         args.model = args.model_tag
-    async_llm = build_async_llm(args)
+    async_llm = build_async_llm(args, start=False)
     name = args.served_model_name or args.model
-    app = build_app(async_llm, name)
+    server = uvicorn.Server(uvicorn.Config(build_app(async_llm, name), host=args.host,
+                                           port=args.port, log_level=args.log_level))
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:               # also when uvicorn could not start (say, the port is taken)
+            async_llm.shutdown()
+
+    http = threading.Thread(target=serve_http, name="minivllm-http", daemon=True)
+
+    def on_signal(signum, frame) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     print(f"minivllm serving {name} on http://{args.host}:{args.port} (pid {os.getpid()})",
           flush=True)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    finally:
-        async_llm.shutdown()
-    sys.exit(0)
+    async_llm.run_engine_loop(started=http.start)
+    # The loop ends when uvicorn has stopped, or when a step raised: then the server stays up,
+    # answering /health with 503 and why, until it is stopped.
+    while http.is_alive():
+        http.join(timeout=0.5)
+    sys.exit(0 if server.started else 1)

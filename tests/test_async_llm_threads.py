@@ -65,6 +65,41 @@ def test_engine_loop_in_the_calling_thread(tiny_llama_dir):
     assert not async_llm.is_running
 
 
+def test_side_threads_keep_off_openmp_and_the_engine_thread_keeps_its_count(tiny_llama_dir):
+    """``keep_off_openmp`` (KV loader, side channel, HTTP thread) makes that thread's torch ops
+    single-threaded, without touching the caller's count. It also lowers the default of threads
+    started later, so ``start()``'s engine thread sets the count of the thread that started it."""
+    import torch
+
+    from minivllm.engine.async_llm import AsyncLLM
+    from minivllm.threads import keep_off_openmp
+    mine = torch.get_num_threads()
+    seen = {}
+
+    def side():
+        keep_off_openmp()
+        torch.randn(300_000).add(1.0)          # large enough for a parallel region
+        seen["side"] = torch.get_num_threads()
+    t = threading.Thread(target=side)
+    t.start()
+    t.join()
+    assert seen["side"] == 1 and torch.get_num_threads() == mine
+    async_llm = AsyncLLM(tiny_llm(tiny_llama_dir))
+    plain = async_llm.engine.step
+
+    def step():
+        out = plain()
+        seen["engine"] = torch.get_num_threads()
+        return out
+    async_llm.engine.step = step
+    try:
+        async_llm.start()
+        _clients(async_llm, {})
+    finally:
+        torch.set_num_threads(mine)           # this process's default for later threads, again
+    assert seen["engine"] == mine
+
+
 def test_engine_loop_in_a_background_thread(tiny_llama_dir):
     from minivllm.engine.async_llm import AsyncLLM
     llm = tiny_llm(tiny_llama_dir)

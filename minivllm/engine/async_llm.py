@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
+import torch
+
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -128,7 +130,9 @@ class AsyncLLM:
         if self._running:
             raise RuntimeError("the engine loop is already running.")
         self._running = True
-        self._thread = threading.Thread(target=self._run, name="minivllm-engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run_in_background,
+                                        args=(torch.get_num_threads(),),
+                                        name="minivllm-engine-loop", daemon=True)
         self._thread.start()
         return self
 
@@ -247,6 +251,11 @@ class AsyncLLM:
             self.stats.e2e.observe(now - state.arrival_time)
             reason = out.outputs[0].finish_reason or "abort"
             self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+
+    def _run_in_background(self, num_threads: int) -> None:
+        # The caller's count, not the default a side thread may have lowered (minivllm/threads.py).
+        torch.set_num_threads(num_threads)
+        self._run()
 
     def _run(self) -> None:
         try:

@@ -25,6 +25,7 @@ import torch
 
 from minivllm.distributed.kv_transfer import redis_store
 from minivllm.host_copy import copy_to_device, copy_to_host, wait_for_copies_to_host
+from minivllm.threads import keep_off_openmp
 
 if TYPE_CHECKING:
     from minivllm.distributed.kv_transfer.redis_store_connector import RedisReqMeta
@@ -106,7 +107,10 @@ class RedisStoreWorkerMixin:
         for req in loads:
             if req.load_async:
                 if self._loader is None:
-                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="minivllm-kv-load")
+                    # keep_off_openmp: its copies into the cache must not start an OpenMP team
+                    # beside the engine's (minivllm/threads.py)
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="minivllm-kv-load",
+                                                      initializer=keep_off_openmp)
                 with self._lock:
                     self._num_in_flight += 1
                 self._loader.submit(self._load_async_job, req)

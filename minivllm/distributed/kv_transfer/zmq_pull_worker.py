@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from minivllm.distributed.kv_transfer.base import KVConnectorRole
+from minivllm.threads import keep_off_openmp
 
 if TYPE_CHECKING:
     from minivllm.distributed.kv_transfer.zmq_pull_connector import RecvReqMeta
@@ -106,6 +107,7 @@ class ZmqPullWorkerMixin:
     # ------------------------------------------------------------------ P: the side channel
     def _serve(self) -> None:
         import zmq
+        keep_off_openmp()   # its gathers must not give the engine's OpenMP regions a rival team
         poller = zmq.Poller()
         poller.register(self._server, zmq.POLLIN)
         while not self._stop:
@@ -243,8 +245,11 @@ class ZmqPullWorkerMixin:
         self._no_forward = forward_context is None or forward_context.attn_metadata is None
         for req in (md.reqs_to_recv if md is not None else []):
             if self._pulls is None:
+                # keep_off_openmp: their copies into the cache must not start OpenMP teams
+                # beside the engine's (minivllm/threads.py)
                 self._pulls = ThreadPoolExecutor(self._num_pull_threads,
-                                                 thread_name_prefix="minivllm-kv-pull")
+                                                 thread_name_prefix="minivllm-kv-pull",
+                                                 initializer=keep_off_openmp)
             with self._lock:
                 self._num_in_flight += 1
                 self._inflight.add(req.req_id)

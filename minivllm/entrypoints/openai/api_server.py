@@ -29,6 +29,7 @@ from minivllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCom
                                                   CompletionRequest, CompletionResponse,
                                                   ErrorResponse, ModelList, now)
 from minivllm.entrypoints.openai.serving import OpenAIServing
+from minivllm.threads import keep_off_openmp
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -145,6 +146,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                                            port=args.port, log_level=args.log_level))
 
     def serve_http() -> None:
+        keep_off_openmp()   # no OpenMP team beside the engine's (minivllm/threads.py)
         try:
             server.run()
         finally:               # also when uvicorn could not start (say, the port is taken)

@@ -19,17 +19,28 @@ from torch import nn
 from minivllm.model_executor.kernel_choice import CANDIDATES, MAX_TUNED_ROWS, PREPARE, choose
 
 
+def _f_linear_only(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """No route to choose: CUDA, a non-2-D input, or autograd. The oneDNN routes have no
+    backward, and a packed copy is not the parameter, so a gradient would silently miss the
+    weight."""
+    return x.device.type != "cpu" or x.dim() != 2 or x.shape[0] == 0 or (
+        torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            route: str | None = None) -> torch.Tensor:
     """``x [m, in]``, ``weight [out, in]``, ``bias [out]`` -> ``[m, out]``."""
-    m = x.shape[0] if x.dim() == 2 else 0
-    if x.device.type != "cpu" or m == 0 or (torch.is_grad_enabled() and (
-            weight.requires_grad or x.requires_grad)):   # autograd: F.linear only (see Linear)
+    if _f_linear_only(x, weight):
         return F.linear(x, weight, bias)
-    route = route or choose(weight, m)
+    return _run_route(x, weight, bias, route or choose(weight, x.shape[0]))
+
+
+def _run_route(x: torch.Tensor, operand: torch.Tensor, bias: torch.Tensor | None,
+               route: str) -> torch.Tensor:
+    """``route`` on ``operand`` (the weight, or the copy a prepared route reads), plus ``bias``."""
     if route == "f_linear":
-        return F.linear(x, weight, bias)
-    out = CANDIDATES[route](x, weight)
+        return F.linear(x, operand, bias)
+    out = CANDIDATES[route](x, operand)
     return out if bias is None else out + bias
 
 
@@ -62,19 +73,15 @@ class Linear(nn.Linear):
         return p[3]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0] if x.dim() == 2 else 0
-        # Autograd goes through F.linear only: the oneDNN routes have no backward, and a packed
-        # copy is not the parameter, so a gradient would silently miss the weight.
-        if x.device.type != "cpu" or m == 0 or (torch.is_grad_enabled() and (
-                self.weight.requires_grad or x.requires_grad)):
+        if _f_linear_only(x, self.weight):
             return F.linear(x, self.weight, self.bias)
+        m = x.shape[0]
         i = min(m, MAX_TUNED_ROWS + 1)
         route = self._route_by_rows[i]
         if route is None:
             route = self._route_by_rows[i] = choose(self.weight, m)
-        if route in PREPARE:
-            return linear(x, self.prepared_weight(route), self.bias, route)
-        return linear(x, self.weight, self.bias, route)
+        operand = self.prepared_weight(route) if route in PREPARE else self.weight
+        return _run_route(x, operand, self.bias, route)
 
 
 ShardId = Union[int, str]

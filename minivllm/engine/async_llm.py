@@ -125,11 +125,15 @@ class AsyncLLM:
     def num_pending(self) -> int:
         return len(self._states)
 
-    def start(self) -> "AsyncLLM":
-        """Run the engine loop in a background thread (see the module docstring for the cost)."""
+    def _claim_loop(self) -> None:
+        """Mark the loop running before it starts, so no caller finds it not yet up."""
         if self._running:
             raise RuntimeError("the engine loop is already running.")
         self._running = True
+
+    def start(self) -> "AsyncLLM":
+        """Run the engine loop in a background thread (see the module docstring for the cost)."""
+        self._claim_loop()
         self._thread = threading.Thread(target=self._run_in_background,
                                         args=(torch.get_num_threads(),),
                                         name="minivllm-engine-loop", daemon=True)
@@ -140,9 +144,7 @@ class AsyncLLM:
         """Run the engine loop in the calling thread until ``shutdown()`` (from another thread)
         or an engine error. ``started`` is called once the loop counts as running: the caller
         starts its HTTP server there, so no request finds the loop not yet up."""
-        if self._running:
-            raise RuntimeError("the engine loop is already running.")
-        self._running = True
+        self._claim_loop()
         if started is not None:
             started()
         self._run()

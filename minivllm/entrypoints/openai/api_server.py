@@ -104,8 +104,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def build_async_llm(args: argparse.Namespace, start: bool = True) -> AsyncLLM:
-    """The server's engine; ``start=False`` leaves the loop for ``AsyncLLM.run_engine_loop``."""
+def build_async_llm(args: argparse.Namespace) -> AsyncLLM:
+    """The server's engine, its loop not started (``main`` runs it: ``run_engine_loop``)."""
     from minivllm.entrypoints.llm import LLM
     if args.max_pending_requests < 1:
         raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}.")
@@ -124,8 +124,7 @@ def build_async_llm(args: argparse.Namespace, start: bool = True) -> AsyncLLM:
               num_gpu_blocks_override=args.num_gpu_blocks_override, dtype=args.dtype,
               device=args.device, attention_backend=args.attention_backend,
               enable_chunked_prefill=args.enable_chunked_prefill)
-    async_llm = AsyncLLM(llm, max_pending_requests=args.max_pending_requests)
-    return async_llm.start() if start else async_llm
+    return AsyncLLM(llm, max_pending_requests=args.max_pending_requests)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -140,7 +139,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = make_arg_parser().parse_args(argv)
     if args.model_tag is not None:
         args.model = args.model_tag
-    async_llm = build_async_llm(args, start=False)
+    async_llm = build_async_llm(args)
     name = args.served_model_name or args.model
     server = uvicorn.Server(uvicorn.Config(build_app(async_llm, name), host=args.host,
                                            port=args.port, log_level=args.log_level))

@@ -40,13 +40,20 @@ def _clients(async_llm, results: dict) -> None:
         async_llm.shutdown()
 
 
-def _record_step_threads(async_llm) -> set:
-    threads, plain = set(), async_llm.engine.step
+def _after_each_step(async_llm, record) -> None:
+    """Call ``record()`` in the engine loop's thread after every ``LLMEngine.step()``."""
+    plain = async_llm.engine.step
 
     def step():
-        threads.add(threading.get_ident())
-        return plain()
+        out = plain()
+        record()
+        return out
     async_llm.engine.step = step
+
+
+def _record_step_threads(async_llm) -> set:
+    threads: set = set()
+    _after_each_step(async_llm, lambda: threads.add(threading.get_ident()))
     return threads
 
 
@@ -85,13 +92,7 @@ def test_side_threads_keep_off_openmp_and_the_engine_thread_keeps_its_count(tiny
     t.join()
     assert seen["side"] == 1 and torch.get_num_threads() == mine
     async_llm = AsyncLLM(tiny_llm(tiny_llama_dir))
-    plain = async_llm.engine.step
-
-    def step():
-        out = plain()
-        seen["engine"] = torch.get_num_threads()
-        return out
-    async_llm.engine.step = step
+    _after_each_step(async_llm, lambda: seen.__setitem__("engine", torch.get_num_threads()))
     try:
         async_llm.start()
         _clients(async_llm, {})

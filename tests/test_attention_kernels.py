@@ -1,5 +1,6 @@
-"""Paged-attention backends: the Triton kernels (interpreted on CPU) against the torch reference, and
-the torch reference against a naive per-token dense attention written here."""
+"""Paged-attention backends: the Triton kernels (interpreted on CPU) and the planned CPU backend against
+the torch reference, and the torch reference against a naive per-token dense attention written here.
+(tests/test_attention_backends.py has all three on random mixed batches.)"""
 import math
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from minivllm.attention.backends import get_attn_backend, torch_ref
+from minivllm.attention.backends import cpu_attn, get_attn_backend, torch_ref
 
 triton_attn = get_attn_backend("triton")
 
@@ -100,6 +101,9 @@ def test_unified_attention_matches_naive_and_triton(num_heads, num_kv_heads, hea
     tri = triton_attn.unified_attention(*args)
     assert tri.dtype == dtype
     torch.testing.assert_close(tri.double(), ref.double(), **tol(dtype))
+    cpu = cpu_attn.unified_attention(*args, shared={})
+    assert cpu.dtype == dtype
+    torch.testing.assert_close(cpu.double(), ref.double(), **tol(dtype))
 
 
 @pytest.mark.parametrize("seqs", [
@@ -107,7 +111,7 @@ def test_unified_attention_matches_naive_and_triton(num_heads, num_kv_heads, hea
     [(1, 37)], [(6, 25)],                  # a lone decode, a lone prefill chunk
     [(1, 9), (1, 33), (1, 2), (1, 16)],   # pure decode
     [(4, 9), (4, 30), (4, 4)],            # spec-decode verify only
-    [(40, 40), (1, 50), (1, 3), (2, 30)], # long prefill next to decodes: the reference splits the batch
+    [(40, 40), (1, 50), (1, 3), (2, 30)], # long prefill next to decodes: cpu_attn splits the batch
 ])
 def test_batch_shapes(seqs):
     args, keys, values = make_case(seqs, 4, 2, 64, 8, torch.float32, seed=len(seqs))
@@ -115,18 +119,20 @@ def test_batch_shapes(seqs):
     torch.testing.assert_close(torch_ref.unified_attention(*args).double(), expected, **tol(torch.float32))
     torch.testing.assert_close(triton_attn.unified_attention(*args).double(), expected,
                                **tol(torch.float32))
+    torch.testing.assert_close(cpu_attn.unified_attention(*args).double(), expected,
+                               **tol(torch.float32))
 
 
 @pytest.mark.parametrize("seqs", [MIXED, MIXED + [(20, 24)]], ids=["short", "with_long"])
 @pytest.mark.parametrize("waste", [0.0, float("inf")])
-def test_reference_schedule_does_not_change_results(monkeypatch, waste, seqs):
+def test_cpu_attn_schedule_does_not_change_results(monkeypatch, waste, seqs):
     # 0: every long query runs alone; inf: one padded batch for everything once a query is long
     # (all-short batches always run in length-sorted groups).
-    monkeypatch.setattr(torch_ref, "_MAX_PADDING_WASTE", waste)
+    monkeypatch.setattr(cpu_attn, "_MAX_PADDING_WASTE", waste)
     args, keys, values = make_case(seqs, 6, 2, 48, 4, torch.float32, seed=3)
     shared = {}
     expected = naive_attention(args[0], keys, values, seqs, args[-1])
-    torch.testing.assert_close(torch_ref.unified_attention(*args, shared=shared).double(),
+    torch.testing.assert_close(cpu_attn.unified_attention(*args, shared=shared).double(),
                                expected, **tol(torch.float32))
     groups = shared[("plan", 4, 3, torch.float32)]
     if seqs is not MIXED:
@@ -134,18 +140,18 @@ def test_reference_schedule_does_not_change_results(monkeypatch, waste, seqs):
 
 
 @pytest.mark.parametrize("group_seqs", [1, 3, 64])
-def test_reference_plan_shared_by_layers_gives_each_layer_its_own_result(monkeypatch, group_seqs):
+def test_cpu_attn_plan_shared_by_layers_gives_each_layer_its_own_result(monkeypatch, group_seqs):
     """The per-step plan (length-sorted groups of decodes and verifies, their gather indices and
     masks) is built by the first layer and reused by the next, whose query and cache differ: both
     layers must match the naive attention, in every grouping, including equal-length decodes."""
-    monkeypatch.setattr(torch_ref, "_GROUP_SEQS", group_seqs)
+    monkeypatch.setattr(cpu_attn, "_GROUP_SEQS", group_seqs)
     seqs = [(1, 9), (1, 30), (4, 17), (1, 30), (1, 2), (2, 40), (1, 23), (30, 30)]
     shared = {}
     args, keys, values = make_case(seqs, 6, 2, 32, 4, torch.float32, seed=1)
     for layer in range(2):   # two layers of one step: same metadata, other queries and K/V
         f = 1.0 + layer
         query, kv_cache = args[0] * (1 / f), args[1] * f + layer   # NaN slots stay NaN
-        out = torch_ref.unified_attention(query, kv_cache, *args[2:], shared=shared)
+        out = cpu_attn.unified_attention(query, kv_cache, *args[2:], shared=shared)
         expected = naive_attention(query, [k * f + layer for k in keys],
                                    [v * f + layer for v in values], seqs, args[-1])
         torch.testing.assert_close(out.double(), expected, **tol(torch.float32))
@@ -157,18 +163,18 @@ def test_reference_plan_shared_by_layers_gives_each_layer_its_own_result(monkeyp
         k, v = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
         for name, sh in (("shared", written), ("alone", None)):
             cache = torch.full((2, 3, 4, 2, 8), float("nan"))
-            torch_ref.reshape_and_cache(k, v, cache, slots, shared=sh)
+            cpu_attn.reshape_and_cache(k, v, cache, slots, shared=sh)
             torch.testing.assert_close(cache[0].reshape(12, 2, 8)[[5, 0, 9]], k[[0, 2, 3]])
             torch.testing.assert_close(cache[1].reshape(12, 2, 8)[[5, 0, 9]], v[[0, 2, 3]])
             assert int(cache[0].reshape(12, 2, 8).isnan().all(-1).all(-1).sum()) == 9
     equal = [(1, 12)] * 5   # equal-length decodes: no mask at all
     args, keys, values = make_case(equal, 4, 2, 16, 4, torch.float32, seed=4)
-    torch.testing.assert_close(torch_ref.unified_attention(*args, shared={}).double(),
+    torch.testing.assert_close(cpu_attn.unified_attention(*args, shared={}).double(),
                                naive_attention(args[0], keys, values, equal, args[-1]),
                                **tol(torch.float32))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "cpu_attn", "triton"])
 def test_strided_query(backend):
     # Models split a fused qkv projection, so the query rows are strided views.
     seqs = [(3, 10), (1, 7)]
@@ -198,6 +204,9 @@ def test_reshape_and_cache_triton_matches_torch(dtype, num_kv_heads, head_dim, b
     torch_ref.reshape_and_cache(key, value, expected, slots)
     triton_attn.reshape_and_cache(key, value, got, slots)
     assert torch.equal(got, expected)
+    got = cache.clone()
+    cpu_attn.reshape_and_cache(key, value, got, slots, shared={})
+    assert torch.equal(got, expected)
     keep = slots >= 0
     b, o = slots[keep] // block_size, slots[keep] % block_size
     assert torch.equal(expected[0, b, o], key[keep]) and torch.equal(expected[1, b, o], value[keep])
@@ -206,7 +215,7 @@ def test_reshape_and_cache_triton_matches_torch(dtype, num_kv_heads, head_dim, b
     assert torch.equal(expected.flatten(1, 2)[:, untouched], cache.flatten(1, 2)[:, untouched])
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "cpu_attn", "triton"])
 def test_attention_layer_prefill_then_decode(backend):
     # Through minivllm.attention.layer.Attention: prefill 5 tokens, then decode 1, in a 4-block cache.
     from minivllm.attention.layer import Attention
@@ -235,8 +244,9 @@ def test_attention_layer_prefill_then_decode(backend):
 
 def test_registry():
     assert get_attn_backend("torch") is torch_ref
-    assert get_attn_backend("auto") is (triton_attn if torch.cuda.is_available() else torch_ref)
-    for backend in (torch_ref, triton_attn):
+    assert get_attn_backend("cpu_attn") is cpu_attn
+    assert get_attn_backend("auto") is (triton_attn if torch.cuda.is_available() else cpu_attn)
+    for backend in (torch_ref, cpu_attn, triton_attn):
         assert callable(backend.reshape_and_cache) and callable(backend.unified_attention)
     with pytest.raises(ValueError, match="torch.*triton"):
         get_attn_backend("flash_attn")
@@ -244,17 +254,18 @@ def test_registry():
 
 def test_default_backend_does_not_import_triton():
     code = ("import sys; from minivllm.attention.backends import get_attn_backend; "
-            "get_attn_backend('torch'); assert 'triton' not in sys.modules, 'triton imported'")
+            "get_attn_backend('torch'); get_attn_backend('cpu_attn'); "
+            "assert 'triton' not in sys.modules, 'triton imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_reference_outside_inference_mode_after_an_engine_step():
-    # The engine steps under inference_mode; the reference's reused gather buffers from there are
+def test_cpu_attn_outside_inference_mode_after_an_engine_step():
+    # The engine steps under inference_mode; cpu_attn's reused gather buffers from there are
     # inference tensors, so a later direct call (a notebook cell, a test) must not write into them.
     seqs = [(3, 10), (1, 7)]
     args, keys, values = make_case(seqs, 4, 2, 64, 4, torch.float32, seed=7)
     expected = naive_attention(args[0], keys, values, seqs, args[-1])
     with torch.inference_mode():
-        torch_ref.unified_attention(*args)
-    torch.testing.assert_close(torch_ref.unified_attention(*args).double(), expected,
+        cpu_attn.unified_attention(*args)
+    torch.testing.assert_close(cpu_attn.unified_attention(*args).double(), expected,
                                **tol(torch.float32))

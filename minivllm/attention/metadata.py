@@ -19,8 +19,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor      # [num_tokens] int64, where each new token's K/V is written
     max_query_len: int
     max_seq_len: int
-    # Per-step values every layer's backend would otherwise recompute alike (the torch backend's
-    # gather indices and masks): the first layer fills it, the rest reuse it. vLLM's backends
+    # Per-step values every layer's backend would otherwise recompute alike (cpu_attn's plan:
+    # groups, gather indices, masks): the first layer fills it, the rest reuse it. vLLM's backends
     # build theirs once per step in ``AttentionMetadataBuilder.build``. Valid for this step only,
     # which is why a fresh metadata object is built for every forward.
     shared: dict = field(default_factory=dict, repr=False, compare=False)

@@ -1,10 +1,11 @@
-"""Plain-PyTorch paged attention: the reference (and the CPU default) for the Triton kernels.
+"""Plain-PyTorch paged attention: the reference, and the spec of the other backends.
 
-Mirrors the two ops vLLM's Triton attention backend calls per layer and step
+Mirrors the two ops vLLM's attention backends call per layer and step
 (vllm/v1/attention/backends/triton_attn.py): storing the new K/V into the paged cache
 (vllm/attention/ops/triton_reshape_and_cache_flash.py) and one unified paged-attention call for
 prefill chunks, decode and spec-decode verification (vllm/attention/ops/triton_unified_attention.py).
-``triton_attn.py`` has the same two functions with the same signatures.
+``cpu_attn.py`` (the CPU default, planned for speed) and ``triton_attn.py`` have the same two
+functions with the same signatures and compute the same attention.
 
 Shapes:
     key, value     [num_tokens, num_kv_heads, head_dim]
@@ -15,68 +16,28 @@ Shapes:
     seq_lens       [num_seqs] int32, context length including this step's query tokens
     query_start_loc [num_seqs + 1] int32, cumulative query lengths
 
-Speed matters here (it is what runs on a laptop), so nothing loops over tokens: the sequences' K/V
-are gathered from the cache with one ``index_select`` into a padded batch and attention is one
-``scaled_dot_product_attention`` call with an explicit causal mask (``_attend``). A lone sequence
-takes a shortcut with less bookkeeping (``_attend_single``); decodes and other short queries run in
-length-sorted groups of ``_GROUP_SEQS``, and a long query next to others that would waste too much
-padding (a long prefill beside decodes) runs alone. The plan is built once per step (``_plan``).
+Written to be read and stepped through, one sequence at a time: gather its K/V through its block
+table, then one causal ``scaled_dot_product_attention`` over its new tokens. ``shared`` (the step's
+``AttentionMetadata.shared``) is accepted for the common signature and not used.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-# A group of sequences is padded to its longest query and longest context. Above this ratio of padded
-# to useful work (e.g. one long prefill next to many decodes) the long-query sequences run alone.
-_MAX_PADDING_WASTE = 2.0
-# Query length up to which a sequence always joins the shared batch (decode, k+1 verify, small chunks).
-_SHORT_QUERY_LEN = 16
-# Short queries run in groups of this many sequences, sorted by context length.
-_GROUP_SEQS = 8
-# Reused K/V gather buffers, keyed by (name, device, dtype). A fresh multi-megabyte tensor per layer and
-# step costs more in page faults than the gather itself (glibc hands large freed blocks back to the
-# OS). Safe because the buffers never leave ``_attend``; not safe for concurrent calls from threads.
-_BUFFERS: dict[tuple, torch.Tensor] = {}
-
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, shared: Optional[dict] = None) -> None:
-    """Write each token's K/V into its cache slot, in place; slots < 0 are padding tokens.
-
-    ``shared``: the step's ``AttentionMetadata.shared`` (see ``unified_attention``); the slots'
-    blocks and offsets are the same for every layer, so they are computed once per step."""
+    """Write each token's K/V into its cache slot, in place; slots < 0 are padding tokens."""
     block_size = kv_cache.shape[2]
-    entry = shared.get(("slots", block_size)) if shared is not None else None
-    if entry is None:
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
-        entry = (None if bool(keep.all()) else keep, slots // block_size, slots % block_size)
-        if shared is not None:
-            shared[("slots", block_size)] = entry
-    keep, blocks, offsets = entry
-    if keep is not None:
-        key, value = key[keep], value[keep]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
     # Index the 5-D cache directly (not a flattened view) so that a strided cache is written in place too.
-    kv_cache[0, blocks, offsets] = key.to(kv_cache.dtype)
-    kv_cache[1, blocks, offsets] = value.to(kv_cache.dtype)
-
-
-@dataclass
-class _Group:
-    """What one padded SDPA call over B sequences needs besides the layer's tensors (the same in
-    every layer of a step): which query rows, which cache slots, which keys each row may see."""
-    tok: torch.Tensor               # [B * max_q] query row of each padded query (clamped)
-    slots: torch.Tensor             # [B * max_s] cache slot of each padded key (clamped)
-    mask: Optional[torch.Tensor]    # [B, 1, group * max_q, max_s] 0 / -inf, None: every key is seen
-    rows: Optional[torch.Tensor]    # [B * max_q] bool, the padded queries that are real; None: all
-    out_tok: torch.Tensor           # [num real queries] where each real query's output goes
-    B: int
-    max_q: int
-    max_s: int
+    kv_cache[0, blocks, offsets] = key[keep].to(kv_cache.dtype)
+    kv_cache[1, blocks, offsets] = value[keep].to(kv_cache.dtype)
 
 
 def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -87,156 +48,46 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     Query token j of sequence s (query length q, context length L = seq_lens[s]) sits at absolute
     position p = L - q + j and attends to the keys at positions 0..p, where position t lives in block
     block_table[s, t // block_size] at offset t % block_size. The same rule covers a plain prefill
-    (q = L), a prefill chunk after earlier context (q < L), a decode (q = 1) and the (k+1)-token
-    verification of k drafts (causal among the new tokens). Rows of ``query`` past
-    query_start_loc[-1] (batch padding) come back as zeros.
-
-    ``shared``: a dict that lives for one step (``AttentionMetadata.shared``). The plan below (how
-    sequences are grouped, their gather indices and masks) depends only on the step's metadata,
-    so the first layer builds it and the others reuse it: vLLM's backends do the same once per
-    step in their ``AttentionMetadataBuilder.build`` (vllm/v1/attention/backends/).
+    (q = L), a prefill chunk after earlier context or a prefix-cache hit (q < L), a decode (q = 1)
+    and the (k+1)-token verification of k drafts (causal among the new tokens). Rows of ``query``
+    past query_start_loc[-1] (batch padding) come back as zeros.
     """
     out = torch.zeros_like(query)
-    if seq_lens.shape[0] == 0:
-        return out
-    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    plan_key = ("plan", block_size, query.shape[1] // num_kv_heads, query.dtype)
-    plan = shared.get(plan_key) if shared is not None else None
-    if plan is None:
-        plan = _plan(query.shape[0], query.shape[1] // num_kv_heads, block_size, block_table,
-                     seq_lens, query_start_loc, max_query_len, max_seq_len, query.dtype)
-        if shared is not None:
-            shared[plan_key] = plan
-    if isinstance(plan, tuple):   # a lone request: nothing to pad, so cheaper bookkeeping
-        _attend_single(query, kv_cache, *plan, scale, out)
-        return out
-    for g in plan:
-        _attend(query, kv_cache, g, scale, out)
+    starts = query_start_loc.tolist()
+    for seq_idx, seq_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = starts[seq_idx], starts[seq_idx + 1]
+        key, value = gather_kv(kv_cache, block_table[seq_idx], seq_len)
+        out[q_start:q_end] = causal_attention(query[q_start:q_end], key.to(query.dtype),
+                                              value.to(query.dtype), scale)
     return out
 
 
-def _plan(num_tokens: int, group: int, block_size: int, block_table: torch.Tensor,
-          seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-          max_seq_len: int, dtype: torch.dtype):
-    """A lone sequence: ``(its blocks, q_len, seq_len, mask)`` for ``_attend_single``. Otherwise a
-    list of ``_Group``: one padded batch when padding costs little, else the short queries
-    together (split by context length, so short contexts are not padded to the longest) and
-    each long query on its own. The grouping only schedules the work: every query row attends
-    to the same keys, whichever group it lands in."""
-    q_starts = query_start_loc[:-1].long()
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    seq_lens = seq_lens.long()
-    if seq_lens.shape[0] == 1:
-        q_len, seq_len = int(q_lens[0]), int(seq_lens[0])
-        mask = None                                           # a decode sees the whole context
-        if q_len > 1:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=seq_lens.device)
-            mask = torch.arange(seq_len, device=seq_lens.device)[None, :] <= q_pos[:, None]
-            mask = mask.expand(group, q_len, seq_len).reshape(1, 1, group * q_len, seq_len)
-        return (block_table[0, :-(-seq_len // block_size)], q_len, seq_len, mask)
-    useful = int((q_lens * seq_lens).sum())
-    num_seqs = seq_lens.shape[0]
-    if num_seqs * max_query_len * max_seq_len <= _MAX_PADDING_WASTE * useful \
-            and max_query_len > _SHORT_QUERY_LEN:
-        groups = [torch.arange(num_seqs, device=seq_lens.device)]
-    else:
-        short = q_lens <= _SHORT_QUERY_LEN
-        groups = _split_by_length(short.nonzero().flatten(), seq_lens) if bool(short.any()) else []
-        groups += [i.view(1) for i in (~short).nonzero().flatten()]
-    return [_group(num_tokens, group, block_size, block_table[i], seq_lens[i], q_starts[i],
-                   q_lens[i], dtype) for i in groups]
+def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor,
+              seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's keys and values, each ``[seq_len, num_kv_heads, head_dim]``: its first
+    ceil(seq_len / block_size) blocks, in block-table order, cut to the context length. Entries of
+    ``block_ids`` past those are never read."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_ids[:num_blocks].long()
+    key = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
+    value = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    return key, value
 
 
-def _split_by_length(idx: torch.Tensor, seq_lens: torch.Tensor) -> list[torch.Tensor]:
-    """Sequences ``idx`` sorted by context length, in groups of ``_GROUP_SEQS``: neighbours in
-    length pad little to each other, and one group's gathered K/V is small enough to still be in
-    the CPU's cache when SDPA reads it."""
-    order = torch.argsort(seq_lens[idx], descending=True)
-    return list(idx[order].split(_GROUP_SEQS))
-
-
-def _group(num_tokens: int, group: int, block_size: int, block_table: torch.Tensor,
-           seq_lens: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
-           dtype: torch.dtype) -> _Group:
-    B, dev = seq_lens.shape[0], seq_lens.device
-    max_q, max_s = int(q_lens.max()), int(seq_lens.max())
-    # Queries: row j of sequence b is token q_starts[b] + j. Rows past q_lens[b] are padding; they read
-    # some valid token (clamped index) and are never written back.
-    j = torch.arange(max_q, device=dev)
-    tok = q_starts[:, None] + j                                   # [B, max_q]
-    q_valid = j < q_lens[:, None]
-    tok = tok.clamp(max=num_tokens - 1)
-    # Keys/values: position t of sequence b sits at slot block_table[b, t // bs] * bs + t % bs.
-    # Positions past the context are clamped to the last real token, so that the padded batch only
-    # ever reads written (finite) cache entries and no garbage block-table entry is dereferenced.
-    t = torch.arange(max_s, device=dev)
-    pos = torch.minimum(t[None, :], seq_lens[:, None] - 1)       # [B, max_s]
-    blocks = block_table.long().gather(1, pos // block_size)
-    slots = (blocks * block_size + pos % block_size).flatten()
-    # The causal rule with its offset: query row j sees key t iff t <= L - q + j. This also keeps the
-    # clamped padding keys (t >= L) away from every real row.
-    q_pos = seq_lens[:, None] - q_lens[:, None] + j              # [B, max_q] absolute positions
-    mask = t[None, None, :] <= q_pos[:, :, None]                 # [B, max_q, max_s]
-    all_real = bool(q_valid.all())
-    if all_real and max_q == 1 and bool((seq_lens == max_s).all()):
-        mask = None                                              # decodes of equal length
-    else:   # rows are (head in group, token) pairs, as the queries are laid out in _attend
-        mask = mask[:, None].expand(B, group, max_q, max_s).reshape(B, 1, group * max_q, max_s)
-        # As an additive mask (0 or -inf) in the queries' dtype: SDPA would convert a boolean
-        # one in every layer.
-        mask = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill_(~mask, float("-inf"))
-    return _Group(tok.flatten(), slots, mask, None if all_real else q_valid.flatten(),
-                  tok[q_valid], B, max_q, max_s)
-
-
-def _attend(query: torch.Tensor, kv_cache: torch.Tensor, g: _Group, scale: float,
-            out: torch.Tensor) -> None:
-    """Attention for the group's B sequences padded to [B, max_q] queries x [B, max_s] keys, into ``out``."""
-    num_heads, head_dim = query.shape[1:]
-    num_kv_heads = kv_cache.shape[3]
-    group = num_heads // num_kv_heads        # query heads per kv head (GQA)
-    B, max_q, max_s = g.B, g.max_q, g.max_s
-    q = query.index_select(0, g.tok).view(B, max_q, num_heads, head_dim)
-    k_cache = kv_cache[0].reshape(-1, num_kv_heads, head_dim)  # [num_blocks * bs, kv_heads, head_dim]
-    v_cache = kv_cache[1].reshape(-1, num_kv_heads, head_dim)
-    k = _gather(k_cache, g.slots, "k").view(B, max_s, num_kv_heads, head_dim).to(query.dtype)
-    v = _gather(v_cache, g.slots, "v").view(B, max_s, num_kv_heads, head_dim).to(query.dtype)
-
-    # GQA without copying K/V: the `group` query heads that share kv head h become extra query rows
-    # of h (rows are (head in group, token) pairs), the grouping the Triton kernel's tiles use too.
-    # SDPA computes the softmax of bfloat16 inputs in float32.
-    q = q.view(B, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    q = q.reshape(B, num_kv_heads, group * max_q, head_dim)
-    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=g.mask, scale=scale)
-    o = o.view(B, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-    o = o.reshape(B * max_q, num_heads, head_dim)
-    out.index_copy_(0, g.out_tok, (o if g.rows is None else o[g.rows]).to(out.dtype))
-
-
-def _attend_single(query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor,
-                   q_len: int, seq_len: int, mask: Optional[torch.Tensor], scale: float,
-                   out: torch.Tensor) -> None:
-    """``_attend`` for one sequence (query tokens 0..q_len-1): its K/V are its first whole blocks."""
-    num_heads, head_dim = query.shape[1:]
-    num_kv_heads = kv_cache.shape[3]
-    group = num_heads // num_kv_heads
-    kv = kv_cache.index_select(1, blocks).flatten(1, 2)[:, :seq_len]
-    k, v = kv.to(query.dtype).transpose(1, 2).unsqueeze(1)        # each [1, kv_heads, seq_len, head_dim]
-    q = query[:q_len].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    q = q.reshape(1, num_kv_heads, group * q_len, head_dim)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    out[:q_len] = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).flatten(1, 2)
-
-
-def _gather(cache: torch.Tensor, slots: torch.Tensor, name: str) -> torch.Tensor:
-    """``cache.index_select(0, slots)`` into a reused buffer."""
-    numel = slots.numel() * cache[0].numel()
-    # A buffer made under inference_mode (the engine's steps) is an inference tensor, which cannot
-    # be written outside it (a direct call, a test): one buffer per mode.
-    key = (name, cache.device, cache.dtype, torch.is_inference_mode_enabled())
-    buf = _BUFFERS.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = _BUFFERS[key] = torch.empty(numel, dtype=cache.dtype, device=cache.device)
-    out = buf[:numel].view(slots.numel(), *cache.shape[1:])
-    return torch.index_select(cache, 0, slots, out=out)
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """``query`` ``[q_len, num_heads, head_dim]``, the sequence's last q_len positions, over
+    ``key``/``value`` ``[seq_len, num_kv_heads, head_dim]``; returns ``[q_len, num_heads, head_dim]``."""
+    q_len, num_heads, _ = query.shape
+    seq_len, num_kv_heads, _ = key.shape
+    # GQA: each kv head serves num_heads // num_kv_heads consecutive query heads.
+    key = key.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    value = value.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    # Causal with an offset: query j sits at position seq_len - q_len + j and sees keys 0..that.
+    # (SDPA's is_causal aligns the mask to the top-left corner, right only when q_len == seq_len.)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+    mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]   # [q_len, seq_len]
+    out = F.scaled_dot_product_attention(query.transpose(0, 1), key.transpose(0, 1),
+                                         value.transpose(0, 1), attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)                                                  # [q_len, heads, dim]

@@ -10,7 +10,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu_attn", "triton"])
     args = ap.parse_args(argv)
 
     from minivllm import LLM, SamplingParams

@@ -17,7 +17,7 @@ DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_CONNECTOR_CONTEXTS = ("article", "vllm_today")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu_attn", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 

@@ -70,7 +70,7 @@ class LLM:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {attention_backend!r}.")
         if attention_backend == "auto":
-            attention_backend = "triton" if device.startswith("cuda") else "torch"
+            attention_backend = "triton" if device.startswith("cuda") else "cpu_attn"
         if attention_backend == "triton":
             # A Triton that cannot run here (e.g. TRITON_INTERPRET=0 on a CPU) fails now, with the
             # fix, rather than inside the first forward pass.

@@ -41,7 +41,7 @@ STEPS: tuple[Step, ...] = (
          "type(self.model).__name__, type(self.drafter).__name__"),
     Step("spec.1", "Run the regular prefill step with the large model.",
          "ModelRunner.execute_model", "worker/model_runner.py",
-         "so.num_scheduled_tokens, logits_indices, sampled_token_ids"),
+         "so.num_scheduled_tokens, logits_indices, tuple(logits.shape)"),
     Step("spec.2", "After the forward pass and sampling, propose k draft tokens "
          "(propose_draft_token_ids).",
          "ModelRunner.propose_draft_token_ids", "worker/model_runner.py", "k, limits, drafts"),
@@ -102,7 +102,7 @@ STEPS: tuple[Step, ...] = (
     Step("pd.layer_save", "Layer by layer: after a layer's attention, save_kv_layer.",
          "Attention.forward", "attention/layer.py", "self.layer_name, tuple(md.slot_mapping.shape)"),
     Step("pd.exit", "Context manager, on exit: wait_for_save (prefill blocks until its KV is "
-         "uploaded; decode: no-op). With spec decode it runs after the drafter (defer_finalize).",
+         "uploaded; decode: no-op).",
          "finalize_kv_connector", "distributed/kv_transfer/__init__.py",
          "type(connector).__name__, connector.role"),
     Step("pd.async_wait", "An asynchronous load starts: the request waits in "

@@ -16,7 +16,7 @@ from minivllm.core.sched.async_scheduler import AsyncScheduler
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from minivllm.spec_decode.metadata import SpecDecodeMetadata
-from minivllm.worker.async_drafts import num_real_drafts, substitute_drafts
+from minivllm.worker.vllm_today.async_scheduling import num_real_drafts, substitute_drafts
 
 PROMPTS = [[5, 17, 42], list(range(1, 30)), [9, 8, 7, 6] * 6, [7],
            [3, 1, 4, 1, 5, 9, 2, 6] * 3 + [3, 1, 4]]

@@ -16,11 +16,14 @@ from typing import Callable, Optional
 
 from minivllm import trace
 from minivllm.config import VllmConfig
-from minivllm.core.sched.async_scheduler import AsyncScheduler
-from minivllm.core.sched.scheduler import Scheduler
 from minivllm.request import Request
 from minivllm.trace import Tracer
+from minivllm.utils import resolve_obj_by_qualname
 from minivllm.worker.worker import Worker
+
+# As vLLM's SchedulerConfig.scheduler_cls: the article's scheduler, or vLLM 0.32's AsyncScheduler.
+SCHEDULER_CLS = {False: "minivllm.core.sched.scheduler.Scheduler",
+                 True: "minivllm.core.sched.async_scheduler.AsyncScheduler"}
 
 
 class EngineCore:
@@ -33,7 +36,7 @@ class EngineCore:
         num_gpu_blocks = self.worker.determine_num_available_blocks()
         self.worker.initialize_cache(num_gpu_blocks)
         self.async_scheduling = vllm_config.scheduler_config.async_scheduling
-        scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
+        scheduler_cls = resolve_obj_by_qualname(SCHEDULER_CLS[self.async_scheduling])
         self.scheduler = scheduler_cls(vllm_config, num_gpu_blocks, detokenize=detokenize)
         self.tracer = Tracer()
         self.step_index = 0
@@ -59,6 +62,8 @@ class EngineCore:
                     f"{self.vllm_config.cache_config.block_size} tokens): raise "
                     "num_gpu_blocks_override or lower max_model_len.")
             model_output = self.worker.execute_model(scheduler_output)
+            if model_output is None:   # vLLM 0.32: the forward ran; sampling finishes the step
+                model_output = self.worker.sample_tokens()
             outputs = self.scheduler.update_from_output(scheduler_output, model_output)
             self.post_step()
             if trace.is_recording() and self.scheduler.num_spec_tokens:

@@ -1,8 +1,10 @@
 """Speculative-decoding proposers (vllm/v1/spec_decode/), created by ``create_drafter``.
 
-A drafter has ``load_model(target_model)`` (article "Setup / load model": a no-op for n-gram) and
-``propose_for_batch(runner, limits, scheduler_output) -> {req_id: drafts}``, called by
-``ModelRunner.propose_draft_token_ids`` once per step with each request's draft limit.
+Every drafter is a ``Proposer`` (base_proposer.py): ``load_model(target_model)`` (article "Setup /
+load model": a no-op for n-gram) and ``propose_for_batch(runner, limits, scheduler_output) ->
+{req_id: drafts}``, called by ``ModelRunner.propose_draft_token_ids`` once per step with each
+request's draft limit; what a drafter needs is declared (``uses_target_hidden_states``,
+``has_kv_cache``).
 
 | method | drafter | file |
 |---|---|---|
@@ -21,12 +23,14 @@ from typing import Any
 import torch
 
 from minivllm.config import VllmConfig
+from minivllm.spec_decode.base_proposer import Proposer
 
 
-class NgramDrafter:
+class NgramDrafter(Proposer):
     """Runs ``NgramProposer`` on each request's row of ``input_batch.token_ids_cpu``."""
 
     def __init__(self, vllm_config: VllmConfig) -> None:
+        super().__init__()
         from minivllm.spec_decode.ngram_proposer import NgramProposer
         spec = vllm_config.speculative_config
         self.proposer = NgramProposer(
@@ -50,7 +54,7 @@ class NgramDrafter:
         return drafts
 
 
-def create_drafter(vllm_config: VllmConfig, device: torch.device, dtype: torch.dtype) -> Any:
+def create_drafter(vllm_config: VllmConfig, device: torch.device, dtype: torch.dtype) -> Proposer:
     method = vllm_config.speculative_config.method
     if method == "ngram":
         return NgramDrafter(vllm_config)

@@ -99,6 +99,7 @@ class _RequestDraftState:
 
 class DraftModelProposer(DraftKVCacheMixin):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
         self.vllm_config = vllm_config
         self.spec = vllm_config.speculative_config
         self.k = self.spec.num_speculative_tokens
@@ -107,7 +108,6 @@ class DraftModelProposer(DraftKVCacheMixin):
         self.model: Any = None
         self.states: dict[str, _RequestDraftState] = {}
         self.probabilistic = self.spec.draft_sample_method == "probabilistic"
-        self.last_draft_probs: dict[str, torch.Tensor] = {}   # req_id -> [num_drafts, vocab]
 
     # ------------------------------------------------------------------ set-up
     def load_model(self, target_model: Any) -> None:
@@ -177,7 +177,7 @@ class DraftModelProposer(DraftKVCacheMixin):
         last_idx = np.cumsum(lens)[drafting] - 1
         # (positional: tests wrap _forward with *args)
         tokens, probs = self._forward(batch, rows_a, lens, ends_a, req_idx, positions, input_ids,
-                                      last_idx, getattr(self, "kv_connector", None),
+                                      last_idx, self.kv_connector,
                                       rows_a[drafting])
 
         # 2. k - 1 single-token passes, each feeding the previous draft.

@@ -54,6 +54,7 @@ class EagleProposer(DraftKVCacheMixin):
     uses_target_hidden_states = True
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
         self.vllm_config = vllm_config
         self.spec = vllm_config.speculative_config
         self.method = self.spec.method
@@ -64,7 +65,6 @@ class EagleProposer(DraftKVCacheMixin):
         self.probabilistic = self.spec.draft_sample_method == "probabilistic"
         # req_id -> [num_drafts, vocab] float32: the distributions this step's drafts were drawn
         # from (probabilistic only); the runner hands them to the rejection sampler next step.
-        self.last_draft_probs: dict[str, torch.Tensor] = {}
         self._drafting: set[int] = set()   # batch rows that draft this step (own generator)
 
     prepare_inputs = staticmethod(prepare_inputs)
@@ -180,7 +180,7 @@ class EagleProposer(DraftKVCacheMixin):
             max_query_len=int(np.diff(cu).max()), max_seq_len=int(seq_lens.max()))
         # The first pass writes the draft KV of the context: under P/D it moves through the
         # connector (the runner registered the head's layers); later passes only write lookahead.
-        connector = getattr(self, "kv_connector", None) if j == 0 else None
+        connector = self.kv_connector if j == 0 else None
         with set_forward_context(md, self.model.attn_layers(), connector):
             logits_states, fed_back = self.model(torch.from_numpy(input_ids).to(dev),
                                                  torch.from_numpy(positions.astype(np.int64)).to(dev),

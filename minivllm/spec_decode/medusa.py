@@ -18,6 +18,7 @@ import torch
 
 from minivllm import trace
 from minivllm.config import VllmConfig
+from minivllm.spec_decode.base_proposer import Proposer
 from minivllm.spec_decode.utils import TargetStepOutputs
 
 
@@ -31,10 +32,11 @@ def last_accepted_rows(num_draft_tokens: list[int], sampled_token_ids: list[list
     return rows
 
 
-class MedusaProposer:
+class MedusaProposer(Proposer):
     uses_target_hidden_states = True
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
         self.spec = vllm_config.speculative_config
         self.k = self.spec.num_speculative_tokens
         self.device, self.dtype = device, dtype

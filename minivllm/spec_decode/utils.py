@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from minivllm.attention.layer import bind_kv_caches, kv_cache_bytes_per_token
+from minivllm.spec_decode.base_proposer import Proposer
 from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
 # vLLM's PADDING_SLOT_ID: a token whose K/V must not be written (both attention backends skip it).
@@ -35,10 +36,14 @@ class TargetStepOutputs:
     sampled_token_ids: list[list[int]]   # per request; [] for a partial prefill chunk
 
 
-class DraftKVCacheMixin:
+class DraftKVCacheMixin(Proposer):
     """For drafters with attention layers of their own (the draft model, EAGLE's head): their K/V
     lives in caches shaped like the target's, indexed by the same blocks and slots. Needs
     ``self.model`` (with ``attn_layers()``), ``self.dtype`` and ``self.device``."""
+    has_kv_cache = True
+
+    def attn_layers(self) -> dict[str, Any]:
+        return self.model.attn_layers() if self.model is not None else {}
 
     def kv_cache_bytes_per_token(self) -> int:
         return kv_cache_bytes_per_token(self.model.attn_layers().values(), self.dtype)

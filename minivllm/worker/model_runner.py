@@ -1,25 +1,26 @@
-"""The model runner, mirroring vllm/v1/worker/gpu_model_runner.py (plus its KV-connector mixin).
+"""The model runner, mirroring vllm/v1/worker/gpu_model_runner.py (Model Runner V1, vLLM 0.32's
+split of a step into ``execute_model`` and ``sample_tokens``) and its KV-connector mixin.
 
-One ``execute_model(scheduler_output)`` call is one engine step on the worker:
-``_update_states`` (persistent batch; drafts copied into ``token_ids_cpu``, spec step 5) →
-``_prepare_inputs`` (input ids, positions, slot mapping, logits indices; ``_calc_spec_decode_metadata``,
-spec step 6) → forward inside ``set_forward_context`` and the KV-connector context manager (P/D
-"context manager") → sampling, or the rejection sampler when drafts were scheduled (spec step 7) →
-bookkeeping → ``propose_draft_token_ids`` (spec step 2).
+One engine step on the worker, in the article's order:
 
-vLLM today (0.32): Model Runner V1 splits this step in two. ``execute_model`` runs the forward and
-returns ``None``; ``sample_tokens`` samples, rejects and drafts (EAGLE and the draft model propose
-*before* ``_bookkeeping_sync`` there, n-gram and Medusa after it). Model Runner V2
-(v1/worker/gpu/, the GPU default) has none of the article's names except ``take_draft_token_ids``.
+- ``execute_model(scheduler_output)``: ``_update_states`` (the persistent batch; drafts copied into
+  ``token_ids_cpu``, spec step 5) → ``_prepare_inputs`` (input ids, positions, slot mapping, logits
+  indices; ``_calc_spec_decode_metadata``, spec step 6) → the forward inside ``set_forward_context``
+  and the KV connector's context manager (P/D "context manager") → the logits. Returns ``None``: the
+  step goes on in ``sample_tokens`` (a step with nothing scheduled returns its output at once).
+- ``sample_tokens()``: sampling, or the rejection sampler when drafts were scheduled (spec step 7)
+  → ``_bookkeeping_sync`` → ``propose_draft_token_ids`` (spec step 2).
 
-With ``async_scheduling`` (vLLM 0.32's AsyncScheduler) the scheduled drafts are -1 placeholders: the
-runner keeps its last proposals per request (``_req_draft_token_ids``) and writes them over the
-placeholders in ``_update_states``, as gpu_model_runner.py's ``_prepare_input_ids`` does
-(worker/async_drafts.py).
+This class is the article's runner. vLLM 0.32's variants (the runner's half of async scheduling,
+``defer_finalize``, probabilistic drafting, the 0.32 connector context) are mixins beside it in
+``worker/vllm_today/``, chosen at construction (``worker.get_model_runner_cls``);
+``python -m minivllm.tour spec --then-and-now`` prints each override beside the function it
+replaces. In vLLM 0.32, EAGLE and the draft model propose before ``_bookkeeping_sync``, n-gram and
+Medusa after it; Model Runner V2 (v1/worker/gpu/, the GPU default) has none of the article's names
+except ``take_draft_token_ids``.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -39,8 +40,8 @@ from minivllm.sample.sampler import Sampler
 from minivllm.spec_decode.metadata import SpecDecodeMetadata
 from minivllm.spec_decode.utils import TargetStepOutputs
 from minivllm.steps import BREAKS, at_step
-from minivllm.worker.async_drafts import drop_placeholder_drafts, num_real_drafts, substitute_drafts
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
+from minivllm.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
 
 @dataclass
@@ -54,7 +55,34 @@ class ModelRunnerOutput:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-class ModelRunner:
+@dataclass
+class ExecuteModelState:
+    """What ``execute_model`` leaves for ``sample_tokens`` (vLLM 0.32's ``ExecuteModelState``):
+    ``T`` scheduled tokens of ``n`` requests, ``S`` sampled rows (one per request, plus one per
+    scheduled draft)."""
+    scheduler_output: SchedulerOutput
+    logits: torch.Tensor                  # [S, vocab]
+    spec_decode_metadata: Optional[SpecDecodeMetadata]
+    input_ids: torch.Tensor               # [T]
+    positions: torch.Tensor               # [T]
+    attn_metadata: AttentionMetadata
+    seq_lens: np.ndarray                  # [n] context length after this step's tokens
+    hidden_states: torch.Tensor           # [T, H]
+    aux_hidden_states: Optional[list[torch.Tensor]]   # EAGLE-3: 3 x [T, H], else None
+    logits_indices: torch.Tensor          # [S] rows of hidden_states the logits come from
+    kv_connector_output: Any = None
+
+    def target_step_outputs(self, sampled_token_ids: list[list[int]]) -> TargetStepOutputs:
+        """The target's step as the learned drafters read it (``uses_target_hidden_states``)."""
+        md = self.attn_metadata
+        return TargetStepOutputs(
+            self.input_ids.cpu().numpy(), self.positions.cpu().numpy(),
+            md.slot_mapping.cpu().numpy(), md.query_start_loc.cpu().numpy(), self.seq_lens,
+            self.hidden_states, self.aux_hidden_states, self.logits_indices,
+            self.spec_decode_metadata, sampled_token_ids)
+
+
+class ModelRunner(KVConnectorModelRunnerMixin):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, dtype: torch.dtype,
                  kv_connector: Any = None) -> None:
         self.vllm_config = vllm_config
@@ -69,12 +97,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model: Any = None
         self.kv_caches: list[torch.Tensor] = []
+        self.execute_model_state: Optional[ExecuteModelState] = None
         self._draft_token_ids: Optional[dict[str, list[int]]] = None
-        self._draft_probs: dict[str, torch.Tensor] = {}   # req_id -> [num_drafts, vocab]
-        self.defer_finalize = False   # set in initialize_kv_cache
-        # Async scheduling: the drafts never reach the scheduler; req_id -> last proposals.
-        self.use_async_scheduling = vllm_config.scheduler_config.async_scheduling
-        self._req_draft_token_ids: dict[str, list[int]] = {}
 
         # Spec decode, article "Setup / init device": create the drafter and the rejection sampler.
         self.speculative_config = vllm_config.speculative_config
@@ -101,54 +125,34 @@ class ModelRunner:
             # A self-draft's layers would share the target's layer names; the connector keys files
             # by layer name, so they get their own.
             target_names = set(self.model.attn_layers())
-            for name, layer in self._drafter_attn_layers().items():
+            for name, layer in self.drafter.attn_layers().items():
                 if name in target_names:
                     layer.layer_name = f"drafter.{name}"
             if BREAKS and at_step("spec.load"): breakpoint()
 
-    def _drafter_attn_layers(self) -> dict[str, Any]:
-        model = getattr(self.drafter, "model", None)
-        if not getattr(self.drafter, "initialize_kv_cache", None) or model is None:
-            return {}   # n-gram and Medusa keep no KV of their own
-        return model.attn_layers()
-
     def kv_cache_bytes_per_block(self) -> int:
         per_token = kv_cache_bytes_per_token(self.model.attn_layers().values(), self.dtype)
-        extra = self.drafter.kv_cache_bytes_per_token() if hasattr(
-            self.drafter, "kv_cache_bytes_per_token") else 0
-        return (per_token + extra) * self.block_size
+        if self.drafter is not None:
+            per_token += self.drafter.kv_cache_bytes_per_token()
+        return per_token * self.block_size
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer."""
         self.kv_caches = bind_kv_caches(self.model.attn_layers().values(), num_blocks,
                                         self.block_size, self.dtype, self.device)
-        if hasattr(self.drafter, "initialize_kv_cache"):
+        if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, self.block_size)
-        # vLLM 0.32 registers every attention layer, the drafter's too (EAGLE, EAGLE-3, draft
-        # model), and finalizes the connector after the drafter (``defer_finalize``): under P/D the
-        # drafter's KV moves with the target's, so D's first draft pass reads P's draft KV instead
-        # of slots nobody wrote. Only drafter layers with the target's KV layout can share the
-        # connector's files; others stay local (the drafter then recomputes, as before).
-        self.defer_finalize = False
         if self.kv_connector is not None:
-            layers = dict(self.model.attn_layers())
-            ref = next(iter(layers.values())).kv_cache
-            draft = {name: layer for name, layer in self._drafter_attn_layers().items()
-                     if layer.kv_cache.shape[2:] == ref.shape[2:]
-                     and layer.kv_cache.dtype == ref.dtype}
-            if draft and len(draft) == len(self._drafter_attn_layers()):
-                layers.update(draft)
-                self.defer_finalize = True
-                self.drafter.kv_connector = self.kv_connector
             self.kv_connector.register_kv_caches(
-                {name: layer.kv_cache for name, layer in layers.items()})
+                {name: layer.kv_cache for name, layer in self.kv_connector_layers().items()})
 
     # ------------------------------------------------------------------ batch state
     def _update_states(self, so: SchedulerOutput) -> None:
+        """The persistent batch follows the scheduler: finished requests leave, new ones get a
+        ``CachedRequestState``, running ones their new blocks; then article step 5."""
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
-            self._req_draft_token_ids.pop(req_id, None)
         # Unscheduled requests leave the persistent batch (they keep their CachedRequestState).
         batch.remove_requests({r for r in batch.req_ids if r not in so.num_scheduled_tokens})
         for new in so.scheduled_new_reqs:
@@ -158,27 +162,7 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, new.prompt_token_ids, new.sampling_params, gen,
                 list(new.block_ids[0]), new.num_computed_tokens)
-        cached = so.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self.requests[req_id]
-            state.num_computed_tokens = cached.num_computed_tokens[i]
-            new_ids = cached.new_block_ids[i][0] if cached.new_block_ids[i] else []
-            if req_id in cached.resumed_req_ids:
-                # Resumed after preemption: the block list is replaced, tokens restored.
-                state.block_ids = list(new_ids)
-                all_ids = cached.resumed_req_token_ids[req_id]
-                state.output_token_ids = list(all_ids[len(state.prompt_token_ids):])
-                batch.remove_requests({req_id})
-            else:
-                state.block_ids.extend(new_ids)
-                # Drop tokens the scheduler did not keep (its output was discarded after a failed
-                # KV load, or came after a stop).
-                del state.output_token_ids[cached.num_output_tokens[i]:]
-                if req_id in batch.req_id_to_index:
-                    row = batch.req_id_to_index[req_id]
-                    batch.block_table.append_row(new_ids, row)
-                    batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
-                    batch.num_tokens_no_spec[row] = batch.num_tokens[row] = state.num_tokens
+        self._update_cached_requests(so)
         for req_id in so.num_scheduled_tokens:
             if req_id not in batch.req_id_to_index:
                 batch.add_request(self.requests[req_id])
@@ -186,15 +170,35 @@ class ModelRunner:
         for req_id in batch.req_ids:
             row = batch.req_id_to_index[req_id]
             drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
-            if self.use_async_scheduling and drafts:
-                # The scheduler sent -1 placeholders: our own proposals go in their place.
-                drafts = substitute_drafts(drafts, self._req_draft_token_ids.get(req_id, ()))
-                trace.record("spec_substitute", req_id=req_id, drafts=list(drafts))
             start = batch.num_tokens_no_spec[row]
             batch.token_ids_cpu[row, start:start + len(drafts)] = drafts
             batch.num_tokens[row] = start + len(drafts)
             batch.spec_token_ids[req_id] = list(drafts)
             if BREAKS and at_step("spec.5", drafts): breakpoint()
+
+    def _update_cached_requests(self, so: SchedulerOutput) -> None:
+        """Requests scheduled before: their new blocks and computed tokens; a resumed one (back
+        after preemption) gets its block list replaced and its tokens restored."""
+        batch, cached = self.input_batch, so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_ids = cached.new_block_ids[i][0] if cached.new_block_ids[i] else []
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids)
+                all_ids = cached.resumed_req_token_ids[req_id]
+                state.output_token_ids = list(all_ids[len(state.prompt_token_ids):])
+                batch.remove_requests({req_id})
+                continue
+            state.block_ids.extend(new_ids)
+            # Drop tokens the scheduler did not keep (its output was discarded after a failed KV
+            # load, or came after a stop).
+            del state.output_token_ids[cached.num_output_tokens[i]:]
+            if req_id in batch.req_id_to_index:
+                row = batch.req_id_to_index[req_id]
+                batch.block_table.append_row(new_ids, row)
+                batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
+                batch.num_tokens_no_spec[row] = batch.num_tokens[row] = state.num_tokens
 
     def _prepare_inputs(self, so: SchedulerOutput):
         batch = self.input_batch
@@ -204,9 +208,7 @@ class ModelRunner:
         req_indices = np.repeat(np.arange(n), num_sched)
         offsets = np.arange(cu[-1]) - np.repeat(cu - num_sched, num_sched)
         positions = batch.num_computed_tokens_cpu[req_indices] + offsets
-        # A placeholder left at -1 (async scheduling, no draft for it) is computed as token 0: it
-        # is rejected, so nothing reads its row.
-        input_ids = np.maximum(batch.token_ids_cpu[req_indices, positions], 0)
+        input_ids = batch.token_ids_cpu[req_indices, positions]
         slot_mapping = batch.block_table.compute_slot_mapping(req_indices, positions)
         seq_lens = batch.num_computed_tokens_cpu[:n] + num_sched
         max_blocks = int(batch.block_table.num_blocks_per_row[:n].max())
@@ -263,66 +265,87 @@ class ModelRunner:
             max_spec_len=int(num_draft_tokens.max()))
 
     # ------------------------------------------------------------------ the step
-    def _kv_connector_context(self, so: SchedulerOutput):
-        if self.kv_connector is None:
-            return nullcontext(None)
-        from minivllm.distributed.kv_transfer import maybe_get_kv_connector_output
-        return maybe_get_kv_connector_output(self.kv_connector, so,
-                                             defer_finalize=self.defer_finalize)
-
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+        """Article step 1 (and every later step's forward): the large model runs over the
+        scheduled tokens, drafts included. -> ``None``; ``sample_tokens`` finishes the step."""
         self._update_states(so)
-        batch = self.input_batch
         if so.total_num_scheduled_tokens == 0:
-            kv_out = None
-            if self.kv_connector is not None:
-                from minivllm.distributed.kv_transfer import kv_connector_no_forward
-                kv_out = kv_connector_no_forward(self.kv_connector, so)
-            return ModelRunnerOutput([], {}, [], kv_connector_output=kv_out)
+            return ModelRunnerOutput([], {}, [], kv_connector_output=self.kv_connector_no_forward(so))
         input_ids, positions, md, logits_indices, spec_md, seq_lens = self._prepare_inputs(so)
         with set_forward_context(md, self.model.attn_layers(), self.kv_connector):
             # P/D "context manager": enter -> start_load_kv, exit -> wait_for_save.
-            with self._kv_connector_context(so) as kv_connector_output:
+            with self.maybe_get_kv_connector_output(so) as kv_connector_output:
                 hidden_states = self.model(input_ids, positions)
         aux_hidden_states = None
         if self.use_aux_hidden_state_outputs:
             hidden_states, aux_hidden_states = hidden_states
         logits = self.model.compute_logits(hidden_states[logits_indices])
-        # The drafters below see spec_md with every scheduled draft; sampling verifies the real ones.
-        sample_md, sample_logits = spec_md, logits
-        if spec_md is not None and self.use_async_scheduling:
-            sample_md, sample_logits = drop_placeholder_drafts(spec_md, logits, [
-                num_real_drafts(batch.spec_token_ids.get(r, ())) for r in batch.req_ids])
+        self.execute_model_state = ExecuteModelState(
+            so, logits, spec_md, input_ids, positions, md, seq_lens, hidden_states,
+            aux_hidden_states, logits_indices, kv_connector_output)
+        if BREAKS and at_step("spec.1", so.scheduled_new_reqs): breakpoint()
+        return None
 
-        n = batch.num_reqs
-        # A partial prefill chunk samples nothing; drop its generator so the discarded draw does
-        # not shift a seeded request's random stream.
-        partial = seq_lens < batch.num_tokens[:n]
+    @torch.inference_mode()
+    def sample_tokens(self) -> ModelRunnerOutput:
+        """The rest of the step (vLLM 0.32's ``sample_tokens``): regular sampling, or article step
+        7 when drafts were scheduled; the sampled tokens into the persistent batch; then article
+        step 2, the next drafts."""
+        state, self.execute_model_state = self.execute_model_state, None
+        sampling_metadata, partial = self._prepare_sampling(state.seq_lens)
+        if state.spec_decode_metadata is None:
+            sampled = self.sampler(state.logits, sampling_metadata).tolist()
+            sampled_token_ids = [[] if partial[i] else [t] for i, t in enumerate(sampled)]
+        else:
+            sampled_token_ids = self._rejection_sample(state.spec_decode_metadata, state.logits,
+                                                       sampling_metadata, partial)
+        self._bookkeeping_sync(sampled_token_ids)
+        if self.drafter is not None:
+            self._draft_token_ids = self.propose_draft_token_ids(sampled_token_ids, state)
+        batch = self.input_batch
+        return ModelRunnerOutput(list(batch.req_ids), dict(batch.req_id_to_index),
+                                 sampled_token_ids, kv_connector_output=state.kv_connector_output)
+
+    def _prepare_sampling(self, seq_lens: np.ndarray) -> tuple[SamplingMetadata, np.ndarray]:
+        """-> the batch's ``SamplingMetadata`` and ``partial`` ``[n]``: rows that are a partial
+        prefill chunk (they sample nothing; their generator is left out so the discarded draw
+        does not shift a seeded request's random stream)."""
+        batch = self.input_batch
+        partial = seq_lens < batch.num_tokens[:batch.num_reqs]
         generators = {i: g for i, g in batch.generators.items() if not partial[i]}
         params = [batch.sampling_params[r] for r in batch.req_ids]
-        sampling_metadata = SamplingMetadata.from_params(
+        return SamplingMetadata.from_params(
             params, generators, self.device,
-            num_output_tokens=[len(self.requests[r].output_token_ids) for r in batch.req_ids])
-        if sample_md is None:
-            sampled = self.sampler(sample_logits, sampling_metadata).tolist()
-            sampled_token_ids = [[] if partial[i] else [t] for i, t in enumerate(sampled)]
-            if BREAKS and at_step("spec.1", so.scheduled_new_reqs): breakpoint()
-        else:
-            # Article step 7: the rejection sampler instead of regular sampling.
-            bonus = self.sampler(sample_logits[sample_md.bonus_logits_indices], sampling_metadata,
-                                 num_draft_tokens=sample_md.num_draft_tokens)
-            out = self.rejection_sampler(sample_md, self._scheduled_draft_probs(sample_md),
-                                         sample_logits[sample_md.target_logits_indices],
-                                         bonus.view(-1, 1).to(torch.int32), sampling_metadata)
-            sampled_token_ids = RejectionSampler.parse_output(
-                out, logits.shape[-1], discard_req_indices=partial.nonzero()[0].tolist())
-            if trace.is_recording() and self.rejection_sampler.last_record is not None:
-                for i, rec in enumerate(self.rejection_sampler.last_record):
-                    if sample_md.num_draft_tokens[i]:
-                        trace.record("spec_verify", req_id=batch.req_ids[i], positions=rec)
+            num_output_tokens=[len(self.requests[r].output_token_ids) for r in batch.req_ids]
+        ), partial
 
-        # Bookkeeping: append the sampled tokens to the persistent batch.
+    def _rejection_sample(self, spec_md: SpecDecodeMetadata, logits: torch.Tensor,
+                          sampling_metadata: SamplingMetadata,
+                          partial: np.ndarray) -> list[list[int]]:
+        """Article step 7: the rejection sampler instead of regular sampling. ``logits`` ``[S,
+        vocab]`` are the rows of ``spec_md.logits_indices``. -> per request the accepted drafts
+        and one recovered or bonus token ([] for a partial prefill chunk)."""
+        bonus = self.sampler(logits[spec_md.bonus_logits_indices], sampling_metadata,
+                             num_draft_tokens=spec_md.num_draft_tokens)
+        out = self.rejection_sampler(spec_md, self._scheduled_draft_probs(spec_md),
+                                     logits[spec_md.target_logits_indices],
+                                     bonus.view(-1, 1).to(torch.int32), sampling_metadata)
+        if trace.is_recording() and self.rejection_sampler.last_record is not None:
+            for i, rec in enumerate(self.rejection_sampler.last_record):
+                if spec_md.num_draft_tokens[i]:
+                    trace.record("spec_verify", req_id=self.input_batch.req_ids[i], positions=rec)
+        return RejectionSampler.parse_output(out, logits.shape[-1],
+                                             discard_req_indices=partial.nonzero()[0].tolist())
+
+    def _scheduled_draft_probs(self, spec_md: SpecDecodeMetadata) -> Optional[torch.Tensor]:
+        """``draft_probs`` for the rejection sampler: ``None``, the drafts are one-hot (n-gram and
+        greedy drafters: ``p_draft = 1``)."""
+        return None
+
+    def _bookkeeping_sync(self, sampled_token_ids: list[list[int]]) -> None:
+        """Append the sampled tokens to the persistent batch and to each request's state."""
+        batch = self.input_batch
         for i, req_id in enumerate(batch.req_ids):
             toks = sampled_token_ids[i]
             if not toks:
@@ -335,31 +358,8 @@ class ModelRunner:
         if trace.is_recording():
             trace.record("sampled", sampled=dict(zip(batch.req_ids, sampled_token_ids)))
 
-        if self.drafter is not None:
-            if getattr(self.drafter, "uses_target_hidden_states", False):
-                self.target_step_outputs = TargetStepOutputs(
-                    input_ids.cpu().numpy(), positions.cpu().numpy(),
-                    md.slot_mapping.cpu().numpy(), md.query_start_loc.cpu().numpy(), seq_lens,
-                    hidden_states, aux_hidden_states, logits_indices, spec_md, sampled_token_ids)
-            self._draft_token_ids = self.propose_draft_token_ids(sampled_token_ids, so)
-            if self.use_async_scheduling:
-                # Kept here for the next step's placeholders; a row that sampled and got no
-                # drafts has none (the synchronous scheduler would store [] for it too).
-                for i, req_id in enumerate(batch.req_ids):
-                    if sampled_token_ids[i]:
-                        self._req_draft_token_ids[req_id] = list(
-                            self._draft_token_ids.get(req_id, ()))
-                self._draft_token_ids = None
-            self.target_step_outputs = None
-        if self.defer_finalize:
-            # vLLM's finalize_kv_connector: wait_for_save after the drafter saved its layers too.
-            from minivllm.distributed.kv_transfer import finalize_kv_connector
-            finalize_kv_connector(self.kv_connector, so, kv_connector_output)
-        return ModelRunnerOutput(list(batch.req_ids), dict(batch.req_id_to_index),
-                                 sampled_token_ids, kv_connector_output=kv_connector_output)
-
     def propose_draft_token_ids(self, sampled_token_ids: list[list[int]],
-                                so: SchedulerOutput) -> dict[str, list[int]]:
+                                state: ExecuteModelState) -> dict[str, list[int]]:
         """Article step 2: after the forward pass and sampling, propose up to k drafts per request.
 
         A request gets at most as many drafts as it can still use: the next step emits up to
@@ -369,37 +369,17 @@ class ModelRunner:
         for i, req_id in enumerate(batch.req_ids):
             if not sampled_token_ids[i]:
                 continue   # partial prefill: nothing to draft from yet
-            state = self.requests[req_id]
-            max_tokens = state.sampling_params.max_tokens or self.max_model_len
-            limits[req_id] = max(0, min(k, max_tokens - len(state.output_token_ids) - 1,
+            state_i = self.requests[req_id]
+            max_tokens = state_i.sampling_params.max_tokens or self.max_model_len
+            limits[req_id] = max(0, min(k, max_tokens - len(state_i.output_token_ids) - 1,
                                         self.max_model_len - 1 - int(batch.num_tokens_no_spec[i])))
-        drafts = self.drafter.propose_for_batch(self, limits, so)
-        # draft_sample_method="probabilistic": keep each request's q for the next step's verify.
-        self._draft_probs = dict(getattr(self.drafter, "last_draft_probs", None) or {})
+        if self.drafter.uses_target_hidden_states:
+            self.target_step_outputs = state.target_step_outputs(sampled_token_ids)
+        drafts = self.drafter.propose_for_batch(self, limits, state.scheduler_output)
+        self.target_step_outputs = None
         trace.record("spec_propose", drafts={r: list(d) for r, d in drafts.items()})
         if BREAKS and at_step("spec.2", any(drafts.values())): breakpoint()
         return drafts
-
-    def _scheduled_draft_probs(self, spec_md: SpecDecodeMetadata) -> Optional[torch.Tensor]:
-        """``draft_probs`` ``[num_draft_tokens, vocab]`` for the drafts scheduled this step, in
-        batch order: the distributions they were sampled from (vLLM caches them the same way), or
-        ``None`` when the drafter drafts greedily. The scheduler may have cut drafts, so a request
-        uses the first rows of its cached ``q``; a draft without one (none cached) gets a one-hot
-        row, which is what ``p_draft = 1`` means."""
-        if not self._draft_probs:
-            return None
-        batch, rows = self.input_batch, []
-        vocab = next(iter(self._draft_probs.values())).shape[-1]
-        for i, req_id in enumerate(batch.req_ids):
-            d = spec_md.num_draft_tokens[i]
-            if not d:
-                continue
-            q = self._draft_probs.get(req_id)
-            if q is None or q.shape[0] < d:
-                ids = torch.tensor(batch.spec_token_ids[req_id][:d], device=self.device)
-                q = torch.nn.functional.one_hot(ids.clamp(min=0), vocab).float()
-            rows.append(q[:d])
-        return torch.cat(rows).to(self.device)
 
     def take_draft_token_ids(self) -> Optional[dict[str, list[int]]]:
         drafts, self._draft_token_ids = self._draft_token_ids, None

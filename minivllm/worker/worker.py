@@ -11,14 +11,15 @@ through ``ensure_kv_transfer_initialized(vllm_config, kv_cache_config)``;
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from minivllm.config import VllmConfig
 from minivllm.core.sched.output import SchedulerOutput
-from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 from minivllm.steps import BREAKS, at_step
+from minivllm.utils import resolve_obj_by_qualname
+from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
@@ -40,6 +41,37 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def _defers_finalize(c: VllmConfig) -> bool:
+    spec, ktc = c.speculative_config, c.kv_transfer_config
+    return bool(spec and spec.needs_lookahead_slots and ktc and ktc.kv_connector)
+
+
+# vLLM 0.32's variants of the runner (worker/vllm_today/), each (when it applies, the mixin), in
+# method-resolution order: the first listed overrides the later ones.
+MODEL_RUNNER_MIXINS: tuple[tuple[Callable[[VllmConfig], bool], str], ...] = (
+    (lambda c: c.scheduler_config.async_scheduling,
+     "minivllm.worker.vllm_today.async_scheduling.AsyncSchedulingMixin"),
+    (_defers_finalize, "minivllm.worker.vllm_today.defer_finalize.DeferFinalizeMixin"),
+    (lambda c: c.kv_transfer_config is not None
+     and c.kv_transfer_config.kv_connector_context == "vllm_today",
+     "minivllm.worker.vllm_today.kv_connector_context.VllmTodayKVConnectorMixin"),
+    (lambda c: c.speculative_config is not None
+     and c.speculative_config.draft_sample_method == "probabilistic",
+     "minivllm.worker.vllm_today.draft_probs.ProbabilisticDraftsMixin"),
+)
+
+
+def get_model_runner_cls(vllm_config: VllmConfig) -> type:
+    """The article's ``ModelRunner``, or a subclass of it with vLLM 0.32's mixins this
+    configuration asks for (chosen once, at construction)."""
+    mixins = tuple(resolve_obj_by_qualname(name) for applies, name in MODEL_RUNNER_MIXINS
+                   if applies(vllm_config))
+    if not mixins:
+        return ModelRunner
+    name = "".join(m.__name__.removesuffix("Mixin") for m in mixins) + "ModelRunner"
+    return type(name, mixins + (ModelRunner,), {})
+
+
 class Worker:
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
@@ -52,8 +84,8 @@ class Worker:
         torch.manual_seed(self.vllm_config.model_config.seed)
         self.kv_connector = init_worker_distributed_environment(self.vllm_config)
         if BREAKS and at_step("pd.init.worker", self.kv_connector is not None): breakpoint()
-        self.model_runner = ModelRunner(self.vllm_config, self.device, self.dtype,
-                                        kv_connector=self.kv_connector)
+        self.model_runner = get_model_runner_cls(self.vllm_config)(
+            self.vllm_config, self.device, self.dtype, kv_connector=self.kv_connector)
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -80,8 +112,13 @@ class Worker:
         self.vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
         self.model_runner.initialize_kv_cache(num_gpu_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+        """The forward; ``None`` unless the step had nothing to run (then ``sample_tokens``
+        finishes it, as in vLLM 0.32's worker)."""
         return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self) -> ModelRunnerOutput:
+        return self.model_runner.sample_tokens()
 
     def take_draft_token_ids(self) -> Optional[dict[str, list[int]]]:
         return self.model_runner.take_draft_token_ids()

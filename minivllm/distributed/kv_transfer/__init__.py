@@ -11,20 +11,11 @@ Model-runner use (article, "Context manager")::
         with maybe_get_kv_connector_output(connector, scheduler_output) as kv_connector_output:
             hidden_states = model(input_ids, positions)   # layers call wait_for_layer_load / save_kv_layer
 
-Two orders, chosen by ``KVTransferConfig.kv_connector_context``:
-
-- "article" (default), the article's picture: on enter ``start_load_kv``, on exit ``wait_for_save``;
-  a step with nothing scheduled binds the metadata and collects finished transfers, no save.
-- "vllm_today", vLLM 0.32 (v1/worker/kv_connector_model_runner_mixin.py): on enter
-  ``start_load_kv`` only when ``scheduler_output.has_sync_kv_loads`` (a synchronous load feeds this
-  very forward); otherwise ``start_load_kv`` runs after the forward, keeping the launch of
-  asynchronous loads off the forward's path. ``wait_for_save`` runs on every step, the one without a
-  forward included (vLLM's base.py: "called once per step, including empty steps").
-
-In both, with spec decode and a drafter whose layers the connector moves (``defer_finalize``), the
-runner calls ``finalize_kv_connector`` after the drafter, as vLLM 0.32 does. vLLM 0.32's Model
-Runner V2 (v1/worker/gpu/kv_connector.py) has no context manager: ``KVConnector.pre_forward`` and
-``post_forward`` do the same work.
+On enter ``start_load_kv``, on exit ``wait_for_save``: the article's picture. vLLM 0.32 orders the
+calls differently (``KVTransferConfig.kv_connector_context="vllm_today"``) and finalizes after the
+drafter under spec decode (``defer_finalize``); both live beside this file, in
+``vllm_today.py``, and the model runner picks them at construction
+(``python -m minivllm.tour pd --then-and-now`` shows the two side by side).
 """
 from __future__ import annotations
 
@@ -57,9 +48,7 @@ def finalize_kv_connector(connector: KVConnectorBase_V1, scheduler_output: Any,
                           output: KVConnectorOutput, wait_for_save: bool = True) -> KVConnectorOutput:
     """The end of a step's transfers (vLLM's ``finalize_kv_connector``): ``wait_for_save``, then
     the finished transfers and load errors into ``output``, then ``clear_connector_metadata``.
-
-    With spec decode and a drafter whose layers are registered (``defer_finalize``) the runner
-    calls it after the drafter ran, so the draft layers' saves are part of the step."""
+    ``wait_for_save=False`` for a step without a forward: nothing was saved."""
     try:
         if wait_for_save:
             # Article: "On exit: kv_connector.wait_for_save is called."
@@ -74,56 +63,44 @@ def finalize_kv_connector(connector: KVConnectorBase_V1, scheduler_output: Any,
     return output
 
 
-def _vllm_today(connector: KVConnectorBase_V1) -> bool:
-    ktc = getattr(connector, "_kv_transfer_config", None)
-    return getattr(ktc, "kv_connector_context", "article") == "vllm_today"
+def bind_connector_metadata(connector: KVConnectorBase_V1, scheduler_output: Any) -> KVConnectorOutput:
+    """The start of a step's transfers: the scheduler's metadata reaches the worker's connector.
+    -> the step's empty ``KVConnectorOutput``."""
+    if scheduler_output.kv_connector_metadata is not None:
+        connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+    return KVConnectorOutput()
 
 
 @contextmanager
-def _get_kv_connector_output(connector: KVConnectorBase_V1, scheduler_output: Any,
-                             wait_for_save: bool = True,
-                             defer_finalize: bool = False) -> Iterator[KVConnectorOutput]:
-    output = KVConnectorOutput()
-    if scheduler_output.kv_connector_metadata is not None:
-        connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
-    start_after_forward = (_vllm_today(connector)
-                           and not getattr(scheduler_output, "has_sync_kv_loads", False))
-    finalized = False
+def _get_kv_connector_output(connector: KVConnectorBase_V1,
+                             scheduler_output: Any) -> Iterator[KVConnectorOutput]:
+    """Article, "Context manager": on enter ``start_load_kv``, on exit ``wait_for_save``."""
+    output = bind_connector_metadata(connector, scheduler_output)
     try:
-        if not start_after_forward:
-            # Article: "On enter: kv_connector.start_load_kv is called."
-            connector.start_load_kv(get_forward_context())
+        # Article: "On enter: kv_connector.start_load_kv is called."
+        connector.start_load_kv(get_forward_context())
         if BREAKS and at_step("pd.enter"): breakpoint()
         yield output
-        finalized = defer_finalize   # the runner finalizes after the drafter
     finally:
-        try:
-            if start_after_forward:   # vLLM today: no load feeds this forward
-                connector.start_load_kv(get_forward_context())
-        finally:
-            if not finalized:
-                finalize_kv_connector(connector, scheduler_output, output, wait_for_save)
+        finalize_kv_connector(connector, scheduler_output, output)
 
 
-def maybe_get_kv_connector_output(connector: Optional[KVConnectorBase_V1], scheduler_output: Any,
-                                  defer_finalize: bool = False):
+def maybe_get_kv_connector_output(connector: Optional[KVConnectorBase_V1], scheduler_output: Any):
     """Context manager yielding this step's ``KVConnectorOutput`` (``None`` without a connector).
-    Enter it inside ``set_forward_context``: ``start_load_kv`` reads the layers from there.
-
-    ``defer_finalize`` (vLLM 0.32, on whenever spec decode is): leaving the context does not
-    finalize; the metadata stays bound while the drafter runs, so the drafter's layers save (P) and
-    load (D) with the target's, and the caller runs ``finalize_kv_connector`` afterwards."""
+    Enter it inside ``set_forward_context``: ``start_load_kv`` reads the layers from there."""
     if connector is None:
         return nullcontext(None)
-    return _get_kv_connector_output(connector, scheduler_output, defer_finalize=defer_finalize)
+    return _get_kv_connector_output(connector, scheduler_output)
 
 
 def kv_connector_no_forward(connector: KVConnectorBase_V1, scheduler_output: Any) -> KVConnectorOutput:
     """A step with nothing scheduled: still give the connector its metadata and collect finished
-    transfers. The article's picture calls no ``wait_for_save`` here (there was no forward); vLLM
-    today (``kv_connector_context="vllm_today"``, vLLM 0.32's ``kv_connector_no_forward``) does."""
+    transfers; loads still start (an asynchronous load may be all this step does). The article's
+    picture calls no ``wait_for_save`` here: there was no forward."""
     with set_forward_context(None, {}, connector):
-        with _get_kv_connector_output(connector, scheduler_output,
-                                      wait_for_save=_vllm_today(connector)) as output:
-            pass
+        output = bind_connector_metadata(connector, scheduler_output)
+        try:
+            connector.start_load_kv(get_forward_context())
+        finally:
+            finalize_kv_connector(connector, scheduler_output, output, wait_for_save=False)
     return output

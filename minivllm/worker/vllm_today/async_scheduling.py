@@ -1,4 +1,5 @@
-"""The worker's half of asynchronous scheduling (``LLM(..., async_scheduling=True)``).
+"""The model runner's half of asynchronous scheduling (``LLM(..., async_scheduling=True)``), a
+mixin over the article's ``ModelRunner`` (``AsyncSchedulingMixin``).
 
 With vLLM 0.32's ``AsyncScheduler`` (vllm/v1/core/sched/async_scheduler.py) the scheduler sends
 ``[-1] * n`` placeholders in ``scheduled_spec_decode_tokens``; the model runner keeps its own last
@@ -15,11 +16,12 @@ placeholder as a drafted (and rejected) token, as vLLM's spec metrics do.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
 
+from minivllm import trace
 from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
 PLACEHOLDER_DRAFT_ID = -1
@@ -75,3 +77,50 @@ def drop_placeholder_drafts(spec_md: SpecDecodeMetadata, logits: torch.Tensor,
         bonus_logits_indices=t(cu_sampled - 1),
         logits_indices=spec_md.logits_indices[rows_t],
         max_spec_len=int(num_real.max())), logits
+
+
+class AsyncSchedulingMixin:
+    """Overrides ``ModelRunner._update_states`` (the placeholders replaced by the runner's own
+    drafts), ``_rejection_sample`` (only the real drafts verified) and
+    ``propose_draft_token_ids`` (the drafts stay here: ``take_draft_token_ids`` gives ``None``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._req_draft_token_ids: dict[str, list[int]] = {}   # req_id -> last proposals
+
+    def _update_states(self, so: Any) -> None:
+        for req_id in so.finished_req_ids:
+            self._req_draft_token_ids.pop(req_id, None)
+        super()._update_states(so)
+        batch = self.input_batch
+        for req_id, drafts in list(batch.spec_token_ids.items()):
+            if not drafts or req_id not in batch.req_id_to_index:
+                continue
+            drafts = substitute_drafts(drafts, self._req_draft_token_ids.get(req_id, ()))
+            trace.record("spec_substitute", req_id=req_id, drafts=list(drafts))
+            row = batch.req_id_to_index[req_id]
+            start = batch.num_tokens_no_spec[row]
+            # A placeholder left at -1 (no draft for it) is fed as token 0: it is rejected, so
+            # nothing reads its row.
+            batch.token_ids_cpu[row, start:start + len(drafts)] = np.maximum(drafts, 0)
+            batch.spec_token_ids[req_id] = drafts
+
+    def _rejection_sample(self, spec_md: SpecDecodeMetadata, logits: torch.Tensor,
+                          sampling_metadata: Any, partial: np.ndarray) -> list[list[int]]:
+        batch = self.input_batch
+        real_md, real_logits = drop_placeholder_drafts(spec_md, logits, [
+            num_real_drafts(batch.spec_token_ids.get(r, ())) for r in batch.req_ids])
+        if real_md is not None:
+            return super()._rejection_sample(real_md, real_logits, sampling_metadata, partial)
+        sampled = self.sampler(real_logits, sampling_metadata).tolist()
+        return [[] if partial[i] else [t] for i, t in enumerate(sampled)]
+
+    def propose_draft_token_ids(self, sampled_token_ids: list[list[int]],
+                                state: Any) -> Optional[dict[str, list[int]]]:
+        drafts = super().propose_draft_token_ids(sampled_token_ids, state)
+        # Kept here for the next step's placeholders; a row that sampled and got no drafts has
+        # none (the synchronous scheduler would store [] for it too).
+        for i, req_id in enumerate(self.input_batch.req_ids):
+            if sampled_token_ids[i]:
+                self._req_draft_token_ids[req_id] = list(drafts.get(req_id, ()))
+        return None

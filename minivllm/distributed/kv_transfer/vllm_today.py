@@ -1,0 +1,57 @@
+"""vLLM 0.32's connector context manager, beside the article's (``__init__.py``): chosen with
+``KVTransferConfig(kv_connector_context="vllm_today")``, and under spec decode whenever the drafter's
+layers move with the target's (``defer_finalize``). Mirrors
+vllm/v1/worker/kv_connector_model_runner_mixin.py ``_get_kv_connector_output`` and
+``kv_connector_no_forward``.
+
+Where it differs from the article:
+- ``start_load_kv`` runs before the forward only when ``scheduler_output.has_sync_kv_loads`` (a
+  synchronous load feeds this very forward); otherwise after it, keeping the launch of asynchronous
+  loads off the forward's path.
+- ``wait_for_save`` runs on every step, the one without a forward included (vLLM's base.py: "called
+  once per step, including empty steps").
+- ``defer_finalize``: leaving the context does not finalize. The metadata stays bound while the
+  drafter runs, so the drafter's layers save (P) and load (D) with the target's; the runner calls
+  ``finalize_kv_connector`` after the drafter.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from minivllm.distributed.kv_transfer import bind_connector_metadata, finalize_kv_connector
+from minivllm.distributed.kv_transfer.base import KVConnectorBase_V1, KVConnectorOutput
+from minivllm.forward_context import get_forward_context, set_forward_context
+from minivllm.steps import BREAKS, at_step
+
+
+@contextmanager
+def get_kv_connector_output(connector: KVConnectorBase_V1, scheduler_output: Any,
+                            start_after_forward: bool = True, wait_for_save: bool = True,
+                            defer_finalize: bool = False) -> Iterator[KVConnectorOutput]:
+    """``start_after_forward``: the vLLM 0.32 order (the call moves after the forward unless the
+    step has a synchronous load); ``False`` keeps the article's order (``defer_finalize`` alone)."""
+    output = bind_connector_metadata(connector, scheduler_output)
+    start_after_forward = start_after_forward and not scheduler_output.has_sync_kv_loads
+    finalized = False
+    try:
+        if not start_after_forward:
+            connector.start_load_kv(get_forward_context())
+        if BREAKS and at_step("pd.enter"): breakpoint()
+        yield output
+        finalized = defer_finalize   # the runner finalizes after the drafter
+    finally:
+        try:
+            if start_after_forward:   # no load feeds this forward
+                connector.start_load_kv(get_forward_context())
+        finally:
+            if not finalized:
+                finalize_kv_connector(connector, scheduler_output, output, wait_for_save)
+
+
+def kv_connector_no_forward(connector: KVConnectorBase_V1, scheduler_output: Any) -> KVConnectorOutput:
+    """A step with nothing scheduled, vLLM 0.32's way: ``wait_for_save`` runs here too."""
+    with set_forward_context(None, {}, connector):
+        with get_kv_connector_output(connector, scheduler_output) as output:
+            pass
+    return output

@@ -125,8 +125,9 @@ def describe_frame(step: steps.Step, frame: Any) -> list[str]:
 
 
 class Tour:
-    def __init__(self, mode: str = "wait", out: Any = None) -> None:
+    def __init__(self, mode: str = "wait", out: Any = None, then_and_now: bool = False) -> None:
         self.mode, self.out = mode, out or sys.stdout
+        self.then_and_now = then_and_now
         self.instance = ""
         self.stops: list[Stop] = []
 
@@ -140,6 +141,9 @@ class Tour:
         print(f"\n[{len(self.stops)}]{tag}", file=self.out)
         print(step.id, file=self.out)
         print("\n".join(describe_frame(step, frame)), file=self.out, flush=True)
+        if self.then_and_now:
+            from minivllm import then_and_now
+            print("\n".join(then_and_now.describe(step.id)), file=self.out, flush=True)
         if self.mode == "pdb":
             import pdb
             pdb.Pdb().set_trace(frame)
@@ -207,12 +211,16 @@ def run(argv: Optional[list[str]] = None, out: Any = None) -> Tour:
     how.add_argument("--ide", action="store_true",
                      help="leave each breakpoint() to the debugger in charge (VS Code's debugpy, "
                           "or $PYTHONBREAKPOINT): it stops in the engine's frame")
+    parser.add_argument("--then-and-now", action="store_true",
+                        help="at each stop where vLLM 0.32 differs, print the article's function "
+                             "beside 0.32's override (a diff of their source)")
     args = parser.parse_args(argv)
     if args.max_tokens < 1:
         parser.error("--max-tokens must be at least 1")
     from minivllm.entrypoints.llm import DEFAULT_MODEL
     model = args.model or DEFAULT_MODEL
-    tour = Tour("pdb" if args.pdb else "no-wait" if args.no_wait else "ide" if args.ide else "wait", out)
+    tour = Tour("pdb" if args.pdb else "no-wait" if args.no_wait else "ide" if args.ide else "wait",
+                out, then_and_now=args.then_and_now)
     out = tour.out
     print(f"minivllm tour {args.part}: {len(TOURS[args.part])} article steps "
           f"({', '.join(TOURS[args.part])})", file=out)

@@ -1,0 +1,72 @@
+"""The article, readable: every tour stop lands in a short function that names no vLLM-0.32 mode
+and no performance route, and the then-and-now table resolves to real overrides."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import code_stats
+from minivllm import steps, then_and_now, tour
+
+MAX_CODE_LINES = 40
+# Names a reader of the article should not meet at a tour stop: vLLM 0.32's modes and fast paths.
+FORBIDDEN = re.compile(r"vllm_today|async_scheduling|defer_finalize|probabilistic|placeholder|"
+                       r"kernel_choice|onednn|packed|route|cpu_attn")
+# Stops whose function is still over the limit: each entry must really be over it (the list can
+# only shrink), and every other stop must be within it.
+KNOWN_LONG = {"Scheduler.schedule"}
+
+STOPS = sorted({(steps.REGISTRY[i].function, steps.REGISTRY[i].file)
+                for part in ("spec", "pd") for i in tour.TOURS[part]})
+
+
+@pytest.mark.parametrize("function,file", STOPS)
+def test_tour_stop_is_short_and_plain(function, file):
+    func = code_stats.resolve(function, file)
+    n = code_stats.code_lines(func)
+    if function in KNOWN_LONG:
+        assert n > MAX_CODE_LINES, f"{function} is {n} lines now: drop it from KNOWN_LONG"
+    else:
+        assert n <= MAX_CODE_LINES, f"{function}: {n} code lines (at most {MAX_CODE_LINES})"
+    found = FORBIDDEN.findall(code_stats.code_text(func))
+    assert not found, f"{function} names {sorted(set(found))}"
+
+
+def test_code_lines_counts_the_body_only():
+    def f(x):
+        """Doc.
+
+        More doc."""
+        # a comment
+        y = x + 1
+
+        return y
+    assert code_stats.code_lines(f) == 2
+
+
+@pytest.mark.parametrize("row", then_and_now.THEN_AND_NOW, ids=lambda r: f"{r[0]}:{r[2].split('.')[-1]}")
+def test_then_and_now_rows_resolve_to_a_real_override(row):
+    step_id, article, today, _ = row
+    assert step_id in steps.REGISTRY
+    lines = then_and_now.diff(article, today)
+    assert any(l.startswith("+") and not l.startswith("+++") for l in lines)
+    assert any(l.startswith("-") and not l.startswith("---") for l in lines)
+
+
+def test_overlays_are_chosen_from_the_configuration(tiny_llama_dir, tmp_path):
+    from conftest import runner_of, tiny_llm
+    from minivllm.config import KVTransferConfig
+    from minivllm.worker.model_runner import ModelRunner
+    from minivllm.worker.vllm_today.async_scheduling import AsyncSchedulingMixin
+    from minivllm.worker.vllm_today.kv_connector_context import VllmTodayKVConnectorMixin
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+             "prompt_lookup_min": 2}
+    assert type(runner_of(tiny_llm(tiny_llama_dir, ngram))) is ModelRunner
+    runner = runner_of(tiny_llm(tiny_llama_dir, ngram, async_scheduling=True))
+    assert isinstance(runner, AsyncSchedulingMixin) and isinstance(runner, ModelRunner)
+    ktc = KVTransferConfig("SharedStorageConnector", "kv_both",
+                           {"shared_storage_path": str(tmp_path)}, kv_connector_context="vllm_today")
+    runner = runner_of(tiny_llm(tiny_llama_dir, kv_transfer_config=ktc))
+    assert isinstance(runner, VllmTodayKVConnectorMixin)
+    assert not isinstance(runner, AsyncSchedulingMixin)

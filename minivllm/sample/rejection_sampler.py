@@ -36,7 +36,6 @@ import torch
 from torch import nn
 
 from minivllm import trace
-from minivllm.sample import rejection_kernels as K
 from minivllm.sample.logits_processor import apply_min_tokens
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.sampler import apply_temperature, apply_top_k_top_p, exponential_noise
@@ -136,12 +135,15 @@ def sample_recovered_tokens_torch(cu_num_draft_tokens, draft_token_ids, draft_pr
     return (prob / q_per_token).argmax(dim=-1).to(draft_token_ids.dtype)
 
 
-_BACKENDS = {
-    "torch": (expand_batch_to_tokens_torch, rejection_greedy_sample_torch,
-              rejection_random_sample_torch, sample_recovered_tokens_torch),
-    "triton": (K.expand_batch_to_tokens_triton, K.rejection_greedy_sample_triton,
-               K.rejection_random_sample_triton, K.sample_recovered_tokens_triton),
-}
+def _kernels(backend: str) -> tuple:
+    """(expand, greedy sample, random sample, recover) of ``backend``. The Triton kernels are
+    imported only when asked for: a CPU run with the torch reference never loads Triton."""
+    if backend == "torch":
+        return (expand_batch_to_tokens_torch, rejection_greedy_sample_torch,
+                rejection_random_sample_torch, sample_recovered_tokens_torch)
+    from minivllm.sample import rejection_kernels as K
+    return (K.expand_batch_to_tokens_triton, K.rejection_greedy_sample_triton,
+            K.rejection_random_sample_triton, K.sample_recovered_tokens_triton)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -173,7 +175,7 @@ def apply_sampling_constraints(logits: torch.Tensor, metadata: SpecDecodeMetadat
     """Temperature, top-k and top-p per draft token: each request's values repeated over its drafts."""
     if sampling_metadata.all_greedy:
         return logits
-    expand = _BACKENDS[backend][0]
+    expand = _kernels(backend)[0]
     n, cu, msl = logits.shape[0], metadata.cu_num_draft_tokens, metadata.max_spec_len
     temperature = expand(sampling_metadata.temperature, cu, n, msl, GREEDY_TEMPERATURE, 1.0)
     top_k = None if sampling_metadata.top_k is None else expand(sampling_metadata.top_k, cu, n, msl)
@@ -185,7 +187,7 @@ def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_dra
                      target_probs, target_argmax, bonus_token_ids, sampling_metadata,
                      backend: str = "torch") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Output ``[batch, max_spec_len + 1]`` int32 and the uniform draws (``None`` if all greedy)."""
-    _, greedy_sample, random_sample, recover = _BACKENDS[backend]
+    _, greedy_sample, random_sample, recover = _kernels(backend)
     batch_size, device = len(num_draft_tokens), target_probs.device
     output = torch.full((batch_size, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int32,
                         device=device)

@@ -22,7 +22,7 @@ except ``take_draft_token_ids``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
@@ -35,13 +35,15 @@ from minivllm.core.sched.output import SchedulerOutput
 from minivllm.forward_context import set_forward_context
 from minivllm.model_executor.model_loader import load_model
 from minivllm.sample.metadata import SamplingMetadata
-from minivllm.sample.rejection_sampler import RejectionSampler
 from minivllm.sample.sampler import Sampler
 from minivllm.spec_decode.metadata import SpecDecodeMetadata
-from minivllm.spec_decode.utils import TargetStepOutputs
 from minivllm.steps import BREAKS, at_step
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
 from minivllm.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+if TYPE_CHECKING:   # loaded with spec decode only
+    from minivllm.sample.rejection_sampler import RejectionSampler
+    from minivllm.spec_decode.utils import TargetStepOutputs
 
 
 @dataclass
@@ -74,6 +76,7 @@ class ExecuteModelState:
 
     def target_step_outputs(self, sampled_token_ids: list[list[int]]) -> TargetStepOutputs:
         """The target's step as the learned drafters read it (``uses_target_hidden_states``)."""
+        from minivllm.spec_decode.utils import TargetStepOutputs
         md = self.attn_metadata
         return TargetStepOutputs(
             self.input_ids.cpu().numpy(), self.positions.cpu().numpy(),
@@ -105,6 +108,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         self.drafter: Any = None
         self.rejection_sampler: Optional[RejectionSampler] = None
         if self.speculative_config is not None:
+            from minivllm.sample.rejection_sampler import RejectionSampler
             from minivllm.spec_decode import create_drafter
             self.drafter = create_drafter(vllm_config, device, dtype)
             self.rejection_sampler = RejectionSampler(backend="auto")
@@ -335,8 +339,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             for i, rec in enumerate(self.rejection_sampler.last_record):
                 if spec_md.num_draft_tokens[i]:
                     trace.record("spec_verify", req_id=self.input_batch.req_ids[i], positions=rec)
-        return RejectionSampler.parse_output(out, logits.shape[-1],
-                                             discard_req_indices=partial.nonzero()[0].tolist())
+        return self.rejection_sampler.parse_output(
+            out, logits.shape[-1], discard_req_indices=partial.nonzero()[0].tolist())
 
     def _scheduled_draft_probs(self, spec_md: SpecDecodeMetadata) -> Optional[torch.Tensor]:
         """``draft_probs`` for the rejection sampler: ``None``, the drafts are one-hot (n-gram and

@@ -29,6 +29,9 @@ def init_worker_distributed_environment(vllm_config: VllmConfig) -> Any:
     """Single process, single device: the only distributed state is the KV connector (role WORKER),
     or ``None`` without a ``kv_transfer_config``. Created here as in the article; vLLM 0.32 creates
     it later, in ``Worker.initialize_from_config`` (see the module docstring)."""
+    ktc = vllm_config.kv_transfer_config
+    if ktc is None or not ktc.kv_connector:
+        return None   # no P/D: the KV-transfer package is never loaded
     from minivllm.distributed.kv_transfer import ensure_kv_transfer_initialized
     return ensure_kv_transfer_initialized(vllm_config)
 

@@ -76,7 +76,7 @@ def test_drafts_equal_dense_recomputation(case, target, tmp_path):
         assert medusa.lm_heads is None and medusa.target_lm_head is runner.model.lm_head
     # Medusa writes no KV and reserves no lookahead slots (vLLM).
     assert llm.llm_engine.engine_core.scheduler.num_lookahead_tokens == 0
-    assert not hasattr(runner.drafter, "initialize_kv_cache")
+    assert not runner.drafter.has_kv_cache and not runner.drafter.attn_layers()
 
 
 @pytest.mark.parametrize("k", [1, 2])

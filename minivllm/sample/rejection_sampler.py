@@ -98,7 +98,8 @@ def accept_left_to_right(output_token_ids, rows, cu_num_draft_tokens, draft_toke
             else:
                 row[end_idx - start_idx] = bonus[req_idx]
         start_idx = end_idx
-    output_token_ids.copy_(torch.tensor(out, dtype=torch.int32).view(output_token_ids.shape))
+    output_token_ids.copy_(torch.tensor(out, dtype=torch.int32, device=output_token_ids.device)
+                           .view(output_token_ids.shape))
 
 
 def rejection_greedy_sample_torch(output_token_ids, cu_num_draft_tokens, draft_token_ids,

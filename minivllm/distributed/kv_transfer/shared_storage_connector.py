@@ -5,9 +5,11 @@
 names for one class: ``kv_connector="SharedStorageConnector"`` (the article's) and
 ``kv_connector="ExampleConnector"`` (vLLM today) behave the same and share stored folders.
 
-"External server" = a local folder (format: ``storage.py``). Prefill (P) stores each prompt's KV,
-decode (D) loads it, synchronously, whole blocks only; the last prompt token is always recomputed
-(its logits give the first output token). Differences from vLLM (VLLM_REFERENCE 6.3), on purpose:
+"External server" = a local folder (``storage.SharedStorage``; format: ``storage_format.py``).
+Prefill (P) stores each prompt's KV, decode (D) loads it, synchronously, whole blocks only; the
+last prompt token is always recomputed (its logits give the first output token). The scheduler
+half (lookup, state update, metadata) comes first, then the worker half (load, save), in the
+article's order. Differences from vLLM (VLLM_REFERENCE 6.3), on purpose:
 - store, lookup and load all use ``n = align_to_block_size(len(prompt))``; lookup also tries shorter
   multiples of bs, so D finds P's folder when D's prompt is P's plus the generated token, even when
   P's length is a multiple of bs (vLLM then looks up one folder and loads another);
@@ -16,6 +18,14 @@ decode (D) loads it, synchronously, whole blocks only; the last prompt token is 
 - bad folders (missing, truncated, corrupt, another model) are skipped at lookup with a warning,
   so they are recomputed; a layer that still fails at load time (a file changed after the lookup)
   is reported by ``get_block_ids_with_load_errors()``.
+
+Paged cache per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, viewed as
+``[2, num_blocks * block_size, num_kv_heads * head_dim]`` so a ``ReqMeta.slot_mapping`` ``[n]``
+indexes token rows directly; the files hold the same rows ``[2, n, num_kv_heads * head_dim]``.
+vLLM 0.32's ExampleConnector stores ``[n, num_kv_heads, K||V]`` instead (its per-layer cache is
+``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, vllm/v1/kv_cache_interface.py): same
+folders and file names, a different tensor inside.
+
 ``kv_connector_extra_config``: ``shared_storage_path`` (required); ``layerwise`` (load each layer in
 ``wait_for_layer_load`` instead of all in ``start_load_kv``); ``verify_on_lookup`` (default True:
 the scheduler checks every file's CRC32, so corrupt bytes are never counted as computed; False
@@ -23,31 +33,21 @@ checks only metadata, headers and sizes, and leaves the CRC to the load).
 """
 from __future__ import annotations
 
-import logging
 import os
-import warnings
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
+from minivllm import trace
 from minivllm.distributed.kv_transfer import storage
 from minivllm.distributed.kv_transfer.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                   checked_extra_config,
-                                                   KVConnectorRole)
-from minivllm.distributed.kv_transfer.shared_storage_worker import SharedStorageWorkerMixin
+                                                   KVConnectorRole, checked_extra_config)
+from minivllm.distributed.kv_transfer.storage import STATS, align_to_block_size  # noqa: F401
+from minivllm.host_copy import copy_to_device, copy_to_host, wait_for_copies_to_host
 
-logger = logging.getLogger(__name__)
 EXTRA_CONFIG_KEYS = ("shared_storage_path", "layerwise", "verify_on_lookup")
-STATS = ("num_lookups", "num_lookup_hits", "num_matched_tokens", "num_invalid_folders",
-         "num_loaded_tokens", "num_loaded_bytes", "load_time_s", "num_load_errors",
-         "num_stored_tokens", "num_stored_bytes", "save_time_s", "num_folders_committed",
-         "num_store_races_lost", "num_store_errors")
-
-
-def align_to_block_size(num_tokens: int, block_size: int) -> int:
-    """Largest multiple of ``block_size`` strictly below ``num_tokens`` (bs 16: 16 -> 0, 17 -> 16)."""
-    return max(num_tokens - 1, 0) // block_size * block_size
 
 
 @dataclass
@@ -89,8 +89,8 @@ class SharedStorageConnectorMetadata(KVConnectorMetadata):
                  "tokens": [r.start, len(r.token_ids)], "block_ids": r.block_ids} for r in self.requests]
 
 
-class SharedStorageConnector(SharedStorageWorkerMixin, KVConnectorBase_V1):
-    """Scheduler side here; worker side (loads, saves) in ``SharedStorageWorkerMixin``."""
+class SharedStorageConnector(KVConnectorBase_V1):
+    """Scheduler half first (what to move, per step), worker half after (moving it)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -100,18 +100,15 @@ class SharedStorageConnector(SharedStorageWorkerMixin, KVConnectorBase_V1):
         self._layerwise = bool(ktc.get_from_extra_config("layerwise", False))
         self._verify_on_lookup = bool(ktc.get_from_extra_config("verify_on_lookup", True))
         self._is_producer, self._is_consumer = ktc.is_kv_producer, ktc.is_kv_consumer
-        self._fingerprint: Optional[str] = None   # lazily: hf_config is loaded after construction
+        self._storage = storage.SharedStorage(self._storage_path, vllm_config)
         # Scheduler state.
         self._lookups: dict[str, tuple[int, str]] = {}          # req_id -> (n, folder) last answer
-        self._requests_need_load: dict[str, tuple[list[int], str, int]] = {}
+        self._requests_need_load: dict[str, tuple[list[int], str, int]] = {}   # ids, folder, start
         self._pending_stores: dict[str, tuple[list[int], str, list[int]]] = {}  # ids, folder, blocks
         # Worker state.
         self._kv_caches: dict[str, torch.Tensor] = {}
-        self._loads: list[tuple[ReqMeta, dict[str, Any]]] = []
-        self._writers: dict[str, Optional[storage.FolderWriter]] = {}   # None: failed this step
-        self._pending_writes: list = []   # (ReqMeta, layer_name, host rows) until wait_for_save
+        self._loads: list[tuple[ReqMeta, dict[str, Any]]] = []   # (request, its folder's meta)
         self._invalid_block_ids: set[int] = set()
-        self._stats: dict[str, Any] = dict.fromkeys(STATS, 0)
 
     @classmethod
     def validate_kv_transfer_config(cls, ktc: Any) -> None:
@@ -128,63 +125,29 @@ class SharedStorageConnector(SharedStorageWorkerMixin, KVConnectorBase_V1):
         except OSError as e:
             raise ValueError(f"{field_name} = {str(path)!r} cannot be created or written: {e}") from None
 
-    # ------------------------------------------------------------------ helpers
-    def _folder(self, name: str) -> str:
-        return os.path.join(self._storage_path, name)
-
-    def _fp(self) -> str:
-        if self._fingerprint is None:
-            self._fingerprint = storage.model_fingerprint(self._vllm_config)
-        return self._fingerprint
-
-    def _check_folder(self, name: str, token_ids: list[int], verify_data: bool) -> None:
-        folder = self._folder(name)
-        meta = storage.read_meta(folder)
-        storage.check_meta(meta, folder, token_ids, self._fp(),
-                           storage.expected_layout(self._vllm_config))
-        for layer_name in meta["layers"]:
-            storage.check_layer_file(folder, layer_name, meta, verify_data)
-
-    def _warn(self, msg: str) -> None:
-        logger.warning(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
-
     def get_stats(self) -> dict[str, Any]:
-        return dict(self._stats)
+        return dict(self._storage.stats)
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Longest stored, valid prefix ``n`` (a multiple of bs, < len(prompt)) beyond the local hit."""
+        """Article step "Cache lookup": the longest stored, valid prefix ``n`` (a multiple of bs,
+        < len(prompt)), counted beyond the local prefix hit; always synchronous (``False``)."""
         prompt = request.prompt_token_ids
         n_max = align_to_block_size(len(prompt), self._block_size) if self._is_consumer else 0
-        match = (0, "")
+        n, name = 0, ""
         if n_max > num_computed_tokens:
-            self._stats["num_lookups"] += 1
-            for n, name in reversed(storage.prefix_hashes(prompt, self._block_size, n_max)):
-                if n <= num_computed_tokens:
-                    break
-                if not os.path.isdir(self._folder(name)):
-                    continue
-                try:
-                    self._check_folder(name, prompt[:n], self._verify_on_lookup)
-                except storage.KVStorageError as e:
-                    self._stats["num_invalid_folders"] += 1
-                    self._warn(f"SharedStorageConnector: ignoring stored KV ({e}); recomputing.")
-                    continue
-                match = (n, name)
-                break
-        num_external = max(match[0] - num_computed_tokens, 0)
-        self._lookups[request.request_id] = match
-        if num_external:
-            self._stats["num_lookup_hits"] += 1
-            self._stats["num_matched_tokens"] += num_external
+            n, name = self._storage.lookup(prompt, self._block_size, n_max, num_computed_tokens,
+                                           self._verify_on_lookup)
+        num_external = max(n - num_computed_tokens, 0)
+        self._lookups[request.request_id] = (n, name)
         self._record("get_num_new_matched_tokens", request.request_id,
                      args={"num_computed_tokens": num_computed_tokens, "num_prompt_tokens": len(prompt),
-                           "folder": match[1] or None, "num_stored_tokens": match[0]},
+                           "folder": name or None, "num_stored_tokens": n},
                      result=(num_external, False))
         return num_external, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Article step "State update": remember the requests that will load (and from where)."""
         n, name = self._lookups.pop(request.request_id, (0, ""))
         if num_external_tokens > 0:
             assert n >= num_external_tokens, "update_state_after_alloc without a matching lookup"
@@ -195,19 +158,9 @@ class SharedStorageConnector(SharedStorageWorkerMixin, KVConnectorBase_V1):
                            "num_external_tokens": num_external_tokens},
                      result="load" if num_external_tokens > 0 else None)
 
-    def _maybe_track_store(self, req_id: str, prompt: list[int], block_ids: list[int]) -> None:
-        n = align_to_block_size(len(prompt), self._block_size)
-        if not self._is_producer or n == 0:
-            return
-        name = storage.prefix_hashes(prompt, self._block_size, n)[-1][1]
-        try:
-            self._check_folder(name, prompt[:n], verify_data=False)
-            return          # already stored and valid: a request either loads or stores, once
-        except storage.KVStorageError:
-            pass
-        self._pending_stores[req_id] = (prompt[:n], name, list(block_ids))
-
     def build_connector_meta(self, scheduler_output: Any) -> SharedStorageConnectorMetadata:
+        """Article step "Build metadata object": this step's loads (requests that had a hit) and
+        stores (prefixes not stored yet, once this step's forward has computed them)."""
         meta = SharedStorageConnectorMetadata()
         bs = self._block_size
         num_computed: dict[str, int] = {}
@@ -244,19 +197,127 @@ class SharedStorageConnector(SharedStorageWorkerMixin, KVConnectorBase_V1):
         self._record("build_connector_meta", args=None, result=meta.describe())
         return meta
 
+    def _maybe_track_store(self, req_id: str, prompt: list[int], block_ids: list[int]) -> None:
+        """vLLM's ``_found_match_for_prompt`` test before a store: a prefix already stored (and
+        valid) is not stored again; a request either loads or stores, once."""
+        n = align_to_block_size(len(prompt), self._block_size)
+        if not self._is_producer or n == 0:
+            return
+        name = storage.prefix_hashes(prompt, self._block_size, n)[-1][1]
+        if not self._storage.is_stored(name, prompt[:n]):
+            self._pending_stores[req_id] = (prompt[:n], name, list(block_ids))
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        """Free the blocks at once: the KV left in ``wait_for_save``, inside the step."""
         for d in (self._lookups, self._requests_need_load, self._pending_stores):
             d.pop(request.request_id, None)
         self._record("request_finished", request.request_id, args={"block_ids": list(block_ids)},
                      result=(False, None))
         return False, None
 
-    def _is_valid(self, name: str, token_ids: list[int]) -> bool:
-        try:
-            self._check_folder(name, token_ids, verify_data=False)
-            return True
-        except storage.KVStorageError:
-            return False
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = dict(kv_caches)
+        self._record("register_kv_caches", args={name: list(t.shape) for name, t in kv_caches.items()})
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        self._invalid_block_ids = set()
+        self._storage.drop_staged()    # a step whose forward stopped half-way left some behind
+        super().bind_connector_metadata(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Article: "On enter: kv_connector.start_load_kv" -- D reads the files into paged memory
+        (all layers here, or one by one in ``wait_for_layer_load`` with ``layerwise``)."""
+        md = self._connector_metadata
+        self._loads = []
+        if not self._kv_caches and forward_context is not None:
+            self._kv_caches = {name: layer.kv_cache
+                               for name, layer in forward_context.no_compile_layers.items()}
+        if md is None or not self._kv_caches:
+            self._record("start_load_kv", result="nothing to load")
+            return
+        layout = storage.layout_of(next(iter(self._kv_caches.values())))
+        for req in md.requests:
+            if not req.is_store:
+                try:
+                    meta = self._storage.open(req.folder, req.token_ids, layout, list(self._kv_caches))
+                    self._loads.append((req, meta))
+                except storage.KVStorageError as e:
+                    self._load_failed(req, e)
+        req_ids = [r.req_id for r, _ in self._loads]
+        nbytes = 0 if self._layerwise else sum(self._load_layer(name) for name in self._kv_caches)
+        self._record("start_load_kv", args={"layerwise": self._layerwise, "req_ids": req_ids},
+                     bytes=nbytes)
+
+    def _load_layer(self, layer_name: str) -> int:
+        """vLLM's ``inject_kv_into_layer``: the stored rows of every load, into their slots."""
+        t0, nbytes = time.perf_counter(), 0
+        kv = self._kv_caches[layer_name]
+        flat = kv.view(2, -1, kv.shape[3] * kv.shape[4])    # [2, num_blocks * block_size, H * D]
+        for req, meta in list(self._loads):
+            try:
+                data = self._storage.read_layer(req.folder, layer_name, meta)
+            except storage.KVStorageError as e:
+                self._loads.remove((req, meta))
+                self._load_failed(req, e)
+                continue
+            rows = copy_to_device(data[:, req.start:], kv.device).to(kv.dtype)
+            flat[:, copy_to_device(req.slot_mapping, kv.device)] = rows
+            nbytes += rows.numel() * rows.element_size()
+        self._storage.count(num_loaded_bytes=nbytes, load_time_s=time.perf_counter() - t0)
+        if layer_name == next(reversed(self._kv_caches)):   # last layer: requests complete
+            self._storage.count(num_loaded_tokens=sum(len(r.slot_mapping) for r, _ in self._loads))
+        return nbytes
+
+    def _load_failed(self, req: ReqMeta, err: Exception) -> None:
+        self._storage.count(num_load_errors=1)
+        self._invalid_block_ids.update(req.block_ids)
+        storage.warn(f"SharedStorageConnector: loading {req.req_id} failed ({err}); "
+                     f"blocks {req.block_ids} will be recomputed.")
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Entering each attention layer: with ``layerwise``, load this layer now."""
+        nbytes = self._load_layer(layer_name) if self._layerwise and self._loads else 0
+        if trace.is_recording():
+            self._record("wait_for_layer_load", args={"layer_name": layer_name}, bytes=nbytes)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """P: gather this layer's stored-prefix rows from the paged cache into host memory (vLLM's
+        ``extract_kv_from_layer``). The files are written in ``wait_for_save``: on CUDA the rows
+        travel into pinned buffers without stalling the forward pass."""
+        md = self._connector_metadata
+        t0, nbytes = time.perf_counter(), 0
+        flat = kv_layer.view(2, -1, kv_layer.shape[3] * kv_layer.shape[4])
+        for req in (md.requests if md is not None else []):
+            if req.is_store and self._storage.start_store(req.req_id, req.folder):
+                rows = copy_to_host(flat[:, copy_to_device(req.slot_mapping, kv_layer.device)])
+                self._storage.stage(req.req_id, req.folder, layer_name, rows)
+                nbytes += rows.numel() * rows.element_size()
+        self._storage.count(num_stored_bytes=nbytes, save_time_s=time.perf_counter() - t0)
+        if trace.is_recording():
+            self._record("save_kv_layer", args={"layer_name": layer_name}, bytes=nbytes)
+
+    def wait_for_save(self) -> None:
+        """Article: "On exit: kv_connector.wait_for_save" -- write the gathered rows, one file
+        per layer, and publish each finished folder at once (a reader sees all of it or none)."""
+        md = self._connector_metadata
+        if self._storage.has_staged():   # the rows were copied to host memory without waiting
+            wait_for_copies_to_host(next(iter(self._kv_caches.values())).device)
+        stores = [(r.req_id, r.folder, r.token_ids)
+                  for r in (md.requests if md is not None else []) if r.is_store]
+        results = self._storage.commit(stores, self._kv_caches)
+        self._record("wait_for_save", result=results)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, None]:
+        """Nothing is asynchronous: every load and save completed inside its step."""
+        self._record("get_finished", args={"finished_req_ids": sorted(finished_req_ids)},
+                     result=(None, None))
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._record("get_block_ids_with_load_errors", result=sorted(self._invalid_block_ids))
+        return set(self._invalid_block_ids)
 
 
 # vLLM 0.32's names for the same classes (example_connector.py).

@@ -34,6 +34,21 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _DEL_IF_EQUAL = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
+def connect(url: str, timeout_s: float) -> Any:
+    """A redis-py client with bounded waits and no silent retries (a failure shows at once)."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                retry=Retry(NoBackoff(), 0))
+
+
+def redis_errors() -> tuple[type[BaseException], ...]:
+    """What a failing or unreachable server raises (redis-py is imported only when it is used)."""
+    import redis
+    return (redis.RedisError, OSError)
+
+
 class KVStoreError(Exception):
     """A chunk is missing, evicted, truncated, corrupt or from another model/dtype."""
 

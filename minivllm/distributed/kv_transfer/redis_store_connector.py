@@ -3,8 +3,9 @@ server (article: "Prefill workers write KV to a dedicated KV-cache service; deco
 from it"). vLLM's closest relatives: LMCache's Redis backend behind
 vllm/distributed/kv_transfer/kv_connector/v1/lmcache_connector.py, and MooncakeStore.
 
-Key layout and checks: ``redis_store.py``. Scheduler side here, worker side in
-``redis_store_worker.py``. Two load modes (``kv_connector_extra_config["load_async"]``):
+Key layout, checks and the client: ``redis_store.py``. Scheduler side here, worker side in
+``redis_store_worker.py``, the metadata between them in ``redis_store_metadata.py``. Two load modes
+(``kv_connector_extra_config["load_async"]``):
 - synchronous: the worker loads in ``start_load_kv``, inside the forward that needs the KV (as
   ``SharedStorageConnector``): every running request waits for it;
 - asynchronous (default, vLLM V1's path): ``get_num_new_matched_tokens`` returns ``(n, True)``;
@@ -26,18 +27,16 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import torch
-
 from minivllm.distributed.kv_transfer import redis_store, storage
-from minivllm.distributed.kv_transfer.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                   checked_extra_config,
-                                                   KVConnectorRole)
-from minivllm.distributed.kv_transfer.redis_store import Chunk
+from minivllm.distributed.kv_transfer.base import (KVConnectorBase_V1, KVConnectorRole,
+                                                   checked_extra_config)
+from minivllm.distributed.kv_transfer.redis_store import Chunk, connect, redis_errors
+from minivllm.distributed.kv_transfer.redis_store_metadata import (RedisReqMeta,
+                                                                   RedisStoreConnectorMetadata)
 from minivllm.distributed.kv_transfer.redis_store_worker import RedisStoreWorkerMixin
-from minivllm.distributed.kv_transfer.shared_storage_connector import align_to_block_size
+from minivllm.distributed.kv_transfer.storage import align_to_block_size
 
 logger = logging.getLogger(__name__)
 EXTRA_CONFIG_KEYS = ("url", "load_async", "chunk_size", "timeout_s", "on_unavailable", "retry_s")
@@ -46,54 +45,6 @@ STATS = ("num_lookups", "num_lookup_hits", "num_matched_tokens", "num_redis_erro
          "num_loaded_tokens", "num_loaded_bytes", "load_time_s", "num_load_errors",
          "num_stored_tokens", "num_stored_bytes", "save_time_s", "num_chunks_committed",
          "num_store_races_lost", "num_store_errors")
-
-
-def connect(url: str, timeout_s: float) -> Any:
-    """A redis-py client with bounded waits and no silent retries (a failure shows at once)."""
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                retry=Retry(NoBackoff(), 0))
-
-
-def redis_errors() -> tuple[type[BaseException], ...]:
-    import redis
-    return (redis.RedisError, OSError)
-
-
-@dataclass
-class RedisReqMeta:
-    """One request's transfer this step: prompt positions ``[start, end)`` <-> paged-cache slots
-    ``slot_mapping`` ``[end - start]``; ``chunks``: the chunks to load or store (a load reads only
-    rows ``>= start`` of its first chunk)."""
-    req_id: str
-    chunks: list[Chunk]
-    start: int
-    end: int
-    slot_mapping: torch.Tensor
-    block_ids: list[int]
-    is_store: bool
-    load_async: bool = False
-
-    @staticmethod
-    def make(req_id: str, chunks: list[Chunk], start: int, end: int, block_ids: list[int],
-             block_size: int, is_store: bool, load_async: bool = False) -> "RedisReqMeta":
-        pos = torch.arange(start, end)
-        blocks = torch.tensor(block_ids, dtype=torch.long)
-        slot_mapping = blocks[pos // block_size] * block_size + pos % block_size
-        return RedisReqMeta(req_id, chunks, start, end, slot_mapping,
-                            list(block_ids[start // block_size:-(-end // block_size)]), is_store, load_async)
-
-
-@dataclass
-class RedisStoreConnectorMetadata(KVConnectorMetadata):
-    requests: list[RedisReqMeta] = field(default_factory=list)
-
-    def describe(self) -> list[dict[str, Any]]:
-        return [{"req_id": r.req_id, "is_store": r.is_store, "load_async": r.load_async,
-                 "tokens": [r.start, r.end], "chunks": [c.hash[:12] for c in r.chunks],
-                 "block_ids": r.block_ids} for r in self.requests]
 
 
 class RedisStoreConnector(RedisStoreWorkerMixin, KVConnectorBase_V1):

@@ -19,16 +19,15 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
 from minivllm.distributed.kv_transfer import redis_store
+from minivllm.distributed.kv_transfer.redis_store import redis_errors
+from minivllm.distributed.kv_transfer.redis_store_metadata import RedisReqMeta
 from minivllm.host_copy import copy_to_device, copy_to_host, wait_for_copies_to_host
 from minivllm.threads import keep_off_openmp
-
-if TYPE_CHECKING:
-    from minivllm.distributed.kv_transfer.redis_store_connector import RedisReqMeta
 
 
 class RedisStoreWorkerMixin:
@@ -48,7 +47,7 @@ class RedisStoreWorkerMixin:
         self._record("register_kv_caches", args={name: list(t.shape) for name, t in kv_caches.items()})
 
     # ------------------------------------------------------------------ loads
-    def _load_request(self, req: "RedisReqMeta") -> tuple[int, int]:
+    def _load_request(self, req: RedisReqMeta) -> tuple[int, int]:
         """Fetch ``req``'s chunks and write rows ``[req.start, req.end)`` into the paged cache.
         Returns (tokens loaded, bytes); on the first bad chunk, its blocks and every later block
         of the load go to ``_invalid_block_ids`` (the scheduler recomputes from there)."""
@@ -67,7 +66,7 @@ class RedisStoreWorkerMixin:
                     flat[:, copy_to_device(slots, kv.device)] = rows
                     nbytes += rows.numel() * rows.element_size()
                 loaded_to = chunk.end
-        except (redis_store.KVStoreError, *self._redis_error_types()) as e:
+        except (redis_store.KVStoreError, *redis_errors()) as e:
             if not isinstance(e, redis_store.KVStoreError):
                 self._redis_failed("load", e)
             bs = self._block_size
@@ -83,11 +82,7 @@ class RedisStoreWorkerMixin:
             self._stats["load_time_s"] += time.perf_counter() - t0
         return loaded_to - req.start, nbytes
 
-    def _redis_error_types(self) -> tuple[type[BaseException], ...]:
-        from minivllm.distributed.kv_transfer.redis_store_connector import redis_errors
-        return redis_errors()
-
-    def _load_async_job(self, req: "RedisReqMeta") -> None:
+    def _load_async_job(self, req: RedisReqMeta) -> None:
         self._load_request(req)
         with self._lock:          # errors (if any) are recorded before the request is reported
             self._finished_recving.add(req.req_id)
@@ -162,7 +157,7 @@ class RedisStoreWorkerMixin:
                     else:            # another producer committed the same chunk first
                         self._stats["num_store_races_lost"] += 1
                 results[req.req_id] = f"{n_ok}/{len(req.chunks)} chunks committed"
-            except self._redis_error_types() as e:
+            except redis_errors() as e:
                 self._stats["num_store_errors"] += 1
                 self._redis_failed(f"storing {req.req_id}", e)
                 results[req.req_id] = "dropped"

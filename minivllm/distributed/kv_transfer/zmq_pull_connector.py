@@ -38,13 +38,12 @@ import socket
 import time
 import uuid
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from minivllm.distributed.kv_transfer import storage
-from minivllm.distributed.kv_transfer.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                   checked_extra_config,
-                                                   KVConnectorRole)
+from minivllm.distributed.kv_transfer.base import (KVConnectorBase_V1, KVConnectorRole,
+                                                   checked_extra_config)
+from minivllm.distributed.kv_transfer.zmq_pull_metadata import RecvReqMeta, ZmqPullConnectorMetadata
 from minivllm.distributed.kv_transfer.zmq_pull_worker import ZmqPullWorkerMixin, request
 
 logger = logging.getLogger(__name__)
@@ -60,30 +59,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-@dataclass
-class RecvReqMeta:
-    """One pull: P's ``remote_block_ids`` -> D's ``local_block_ids`` (same length), the prompt
-    tokens they hold beyond D's local prefix hit (``num_tokens``)."""
-    req_id: str
-    local_block_ids: list[int]
-    remote_block_ids: list[int]
-    remote_engine_id: str
-    remote_request_id: str
-    remote_host: str
-    remote_port: int
-    num_tokens: int
-
-
-@dataclass
-class ZmqPullConnectorMetadata(KVConnectorMetadata):
-    reqs_to_recv: list[RecvReqMeta] = field(default_factory=list)
-
-    def describe(self) -> list[dict[str, Any]]:
-        return [{"req_id": r.req_id, "local_block_ids": r.local_block_ids,
-                 "remote_block_ids": r.remote_block_ids, "remote": f"{r.remote_host}:{r.remote_port}"}
-                for r in self.reqs_to_recv]
 
 
 class ZmqPullConnector(ZmqPullWorkerMixin, KVConnectorBase_V1):

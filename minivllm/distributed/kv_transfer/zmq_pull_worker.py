@@ -26,15 +26,13 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
 from minivllm.distributed.kv_transfer.base import KVConnectorRole
+from minivllm.distributed.kv_transfer.zmq_pull_metadata import RecvReqMeta
 from minivllm.threads import keep_off_openmp
-
-if TYPE_CHECKING:
-    from minivllm.distributed.kv_transfer.zmq_pull_connector import RecvReqMeta
 
 logger = logging.getLogger(__name__)
 KV_LAYOUT = "[2, num_blocks, block_size, num_kv_heads, head_dim]"
@@ -188,7 +186,7 @@ class ZmqPullWorkerMixin:
             self._handshakes[address] = info = reply
         return info
 
-    def _pull(self, req: "RecvReqMeta") -> None:
+    def _pull(self, req: RecvReqMeta) -> None:
         t0, nbytes, error = time.perf_counter(), 0, None
         address = f"tcp://{req.remote_host}:{req.remote_port}"
         try:

@@ -44,7 +44,7 @@ from minivllm import trace
 from minivllm.distributed.kv_transfer import storage
 from minivllm.distributed.kv_transfer.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                    KVConnectorRole, checked_extra_config)
-from minivllm.distributed.kv_transfer.storage import STATS, align_to_block_size  # noqa: F401
+from minivllm.distributed.kv_transfer.storage import align_to_block_size
 from minivllm.host_copy import copy_to_device, copy_to_host, wait_for_copies_to_host
 
 EXTRA_CONFIG_KEYS = ("shared_storage_path", "layerwise", "verify_on_lookup")

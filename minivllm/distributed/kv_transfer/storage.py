@@ -21,14 +21,9 @@ from typing import Any, Optional
 
 import torch
 
-from minivllm.distributed.kv_transfer.storage_format import (FORMAT_VERSION, FolderWriter,
-                                                             KVStorageError, check_folder,
-                                                             check_meta, check_storage_path,
-                                                             prefix_hashes, read_layer_file,
-                                                             read_meta)
-
-__all__ = ["SharedStorage", "KVStorageError", "STATS", "align_to_block_size", "layout_of",
-           "model_fingerprint", "expected_layout", "check_storage_path", "prefix_hashes", "warn"]
+from minivllm.distributed.kv_transfer.storage_format import (  # noqa: F401 (the connector's names)
+    FORMAT_VERSION, FolderWriter, KVStorageError, check_folder, check_meta, check_storage_path,
+    prefix_hashes, read_layer_file, read_meta)
 
 logger = logging.getLogger(__name__)
 STATS = ("num_lookups", "num_lookup_hits", "num_matched_tokens", "num_invalid_folders",

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from minivllm.model_executor import kernel_choice as kc
+from minivllm.model_executor.cpu_linear import process_weights_after_loading
 from minivllm.model_executor.linear import Linear
 
 
@@ -49,9 +50,11 @@ def test_forced_route_and_bad_value(monkeypatch):
 def test_module_caches_route_per_row_count(monkeypatch):
     monkeypatch.setenv("MINIVLLM_LINEAR_ROUTE", "pad2")
     layer = Linear(8, 6, bias=True).requires_grad_(False)   # as after load_model
+    process_weights_after_loading(layer)
     x = torch.randn(1, 8)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
-    assert layer._route_by_rows[1] == "pad2" and layer._route_by_rows[2] is None
+    routes = layer.quant_method._route_by_rows
+    assert routes[1] == "pad2" and routes[2] is None
 
 
 def test_choices_reachable_from_llm_engine(tiny_llama_dir, monkeypatch):
@@ -77,7 +80,7 @@ def test_tune_model_times_each_shape_over_all_its_weights(monkeypatch):
                         lambda x, ws, rounds=3, **kw: seen.append((x.shape[0], len(ws))) or
                         {"f_linear": 1.0})
     model = torch.nn.Sequential(*[Linear(16, 16) for _ in range(5)], Linear(16, 8))
-    kc.tune_model(model)
+    process_weights_after_loading(model)
     assert sorted(seen) == sorted([(m, 5) for m in kc.ROW_BUCKETS] + [(m, 1) for m in kc.ROW_BUCKETS])
 
 
@@ -102,15 +105,16 @@ def test_prepared_copy_follows_the_weight_and_stays_out_of_the_state_dict(monkey
     monkeypatch.setenv("MINIVLLM_LINEAR_ROUTE", route)
     torch.manual_seed(0)
     layer = Linear(48, 40, bias=True).requires_grad_(False)   # as after load_model
+    process_weights_after_loading(layer)
     x = torch.randn(3, 48)
 
     def check():
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
                                    rtol=1e-5, atol=1e-4)
     check()
-    first = layer._prepared[3]
+    first = layer.quant_method._prepared[3]
     check()
-    assert layer._prepared[3] is first                       # made once, reused
+    assert layer.quant_method._prepared[3] is first          # made once, reused
     with torch.no_grad():
         layer.weight.mul_(-2.0)                              # in place: the version moves
     check()
@@ -127,15 +131,16 @@ def test_gradients_reach_the_weight_whatever_the_route(monkeypatch):
     monkeypatch.setenv("MINIVLLM_LINEAR_ROUTE", next(iter(kc.PREPARE)))
     torch.manual_seed(0)
     layer, ref = Linear(16, 8), torch.nn.Linear(16, 8)
+    process_weights_after_loading(layer)
     ref.load_state_dict(layer.state_dict())
     x = torch.randn(40, 16)
     layer(x).square().sum().backward()
     ref(x).square().sum().backward()
     torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
-    assert layer._prepared is None                    # no copy was made or read
+    assert layer.quant_method._prepared is None       # no copy was made or read
     with torch.no_grad():
         layer(x)
-    assert layer._prepared is not None                # inference takes the route
+    assert layer.quant_method._prepared is not None   # inference takes the route
 
 
 def test_many_rows_are_timed_on_a_few_weights_and_only_against_prepared_routes(monkeypatch):
@@ -155,8 +160,8 @@ def test_packing_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("MINIVLLM_LINEAR_PACK", "0")
     monkeypatch.setattr(kc, "CHOICES", kc.KernelChoices())
     model = torch.nn.Sequential(Linear(32, 24), Linear(24, 32)).requires_grad_(False)
-    kc.tune_model(model)
-    assert all(mod._prepared is None for mod in model)
+    process_weights_after_loading(model)
+    assert all(mod.quant_method._prepared is None for mod in model)
     for timings in kc.CHOICES.timings_us.values():
         assert not set(timings) & set(kc.PREPARE) and "f_linear" in timings
     x = torch.randn(3, 32)
@@ -165,7 +170,7 @@ def test_packing_can_be_switched_off(monkeypatch):
         for mod in model:
             ref = torch.nn.functional.linear(ref, mod.weight, mod.bias)
         torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-4)
-    assert all(mod._prepared is None for mod in model)
+    assert all(mod.quant_method._prepared is None for mod in model)
     monkeypatch.setenv("MINIVLLM_LINEAR_PACK", "maybe")
     with pytest.raises(ValueError, match="MINIVLLM_LINEAR_PACK"):
         kc.prepare_operands([torch.randn(4, 4)])

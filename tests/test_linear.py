@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minivllm.model_executor.linear import Linear, linear
+from minivllm.model_executor.cpu_linear import linear
+from minivllm.model_executor.linear import Linear
 
 
 @pytest.mark.parametrize("route", [None, "f_linear", "gemm_wx", "pad2"])   # None: as measured

@@ -38,7 +38,8 @@ shapes differ by noise, and then the default (and its summation order) is kept.
 layer holds a second copy of its weight (float32 SmolLM2 after load: 1,091 MB resident against
 1,676 MB with packing, 984 MB with ``MINIVLLM_LINEAR_ROUTE=f_linear``).
 
-Only the CPU is tuned: on CUDA ``F.linear`` is cuBLAS with its own heuristics.
+Only the CPU is tuned: on CUDA ``F.linear`` is cuBLAS with its own heuristics. This file knows
+weights, not layers: ``cpu_linear`` times a model's shapes at load and runs the chosen routes.
 """
 from __future__ import annotations
 
@@ -239,34 +240,3 @@ def _tune(key: ShapeKey, weights: list[torch.Tensor], prepared=None) -> str:
     logger.debug("linear %s: %s (%s)", key, name,
                  ", ".join(f"{k} {v:.0f} us" for k, v in timings.items()))
     return name
-
-
-def tune_model(model: torch.nn.Module) -> KernelChoices:
-    """Time every distinct CPU weight shape of ``model``'s ``Linear`` layers at every row bucket,
-    once per process (load time), so no forward pays for it; logs one line per shape."""
-    from minivllm.model_executor.linear import Linear
-    if forced_route():
-        return CHOICES
-    t0 = time.perf_counter()
-    seen: dict[tuple, list[Linear]] = {}
-    for mod in model.modules():
-        w = getattr(mod, "weight", None)
-        if not isinstance(mod, Linear) or w is None or w.device.type != "cpu" or w.is_meta:
-            continue
-        seen.setdefault((tuple(w.shape), w.dtype), []).append(mod)
-    for mods in seen.values():
-        # A tied LM head is the embedding's weight: one copy per distinct tensor.
-        mods = list({id(mod.weight): mod for mod in mods}.values())
-        weights = [mod.weight for mod in mods]
-        with torch.no_grad():
-            prepared = prepare_operands(weights)   # made once per shape, for every row bucket
-        routes = {choose(weights[0], m, weights, prepared) for m in ROW_BUCKETS}
-        # The layers keep the copies their routes read (so the first step does not pay for
-        # them); the rest are dropped here.
-        for name in routes & set(prepared):
-            for mod, copy in zip(mods, prepared[name]):
-                mod.set_prepared(name, copy)
-    if seen:
-        logger.info("linear kernel choice (%.2f s this call): %s", time.perf_counter() - t0,
-                    "; ".join(CHOICES.summary()))
-    return CHOICES

@@ -1,87 +1,50 @@
 """The linear layers every model projection uses, mirroring vllm/model_executor/layers/linear.py:
-``UnquantizedLinearMethod.apply`` (one place that decides how ``y = x @ W.T + b`` runs) and the
-fused layers ``MergedColumnParallelLinear`` (``gate_up_proj``) and ``QKVParallelLinear``
-(``qkv_proj``), whose weight is the checkpoint's separate matrices stacked along the output dim.
+the layer asks its ``quant_method`` to compute ``y = x @ W.T + b`` (``LinearMethodBase.apply``),
+and the fused layers ``MergedColumnParallelLinear`` (``gate_up_proj``) and ``QKVParallelLinear``
+(``qkv_proj``) hold the checkpoint's separate matrices stacked along the output dim.
 
-On the CPU, a product can run several ways at very different speeds (a decode batch: one row
-per request; spec-decode verification: k + 1 per request; a prefill chunk: many rows); which is
-fastest is measured per weight shape and row count (``kernel_choice``), not assumed. CUDA and
-non-2-D inputs take ``F.linear``. All routes agree with ``F.linear`` to float32 rounding.
+A fresh layer's method is ``UnquantizedLinearMethod``: plain ``F.linear``. The CPU's measured
+routes (oneDNN on a packed weight, a 2-row GEMM, ...) are another method, set on each layer once
+after loading (``cpu_linear.process_weights_after_loading``, as vLLM's
+``UnquantizedLinearMethod.process_weights_after_loading`` dispatches the CPU GEMM); this file does
+not know them.
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.model_executor.kernel_choice import CANDIDATES, MAX_TUNED_ROWS, PREPARE, choose
+
+class LinearMethodBase:
+    """How a ``Linear`` computes its product (vLLM: ``LinearMethodBase``, one per layer)."""
+
+    def apply(self, layer: nn.Linear, x: torch.Tensor,
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        raise NotImplementedError
 
 
-def _f_linear_only(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """No route to choose: CUDA, a non-2-D input, or autograd. The oneDNN routes have no
-    backward, and a packed copy is not the parameter, so a gradient would silently miss the
-    weight."""
-    return x.device.type != "cpu" or x.dim() != 2 or x.shape[0] == 0 or (
-        torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+class UnquantizedLinearMethod(LinearMethodBase):
+    """vLLM's ``UnquantizedLinearMethod.apply``: ``x [m, in]`` -> ``[m, out]`` with ``F.linear``."""
 
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           route: str | None = None) -> torch.Tensor:
-    """``x [m, in]``, ``weight [out, in]``, ``bias [out]`` -> ``[m, out]``."""
-    if _f_linear_only(x, weight):
-        return F.linear(x, weight, bias)
-    return _run_route(x, weight, bias, route or choose(weight, x.shape[0]))
-
-
-def _run_route(x: torch.Tensor, operand: torch.Tensor, bias: torch.Tensor | None,
-               route: str) -> torch.Tensor:
-    """``route`` on ``operand`` (the weight, or the copy a prepared route reads), plus ``bias``."""
-    if route == "f_linear":
-        return F.linear(x, operand, bias)
-    out = CANDIDATES[route](x, operand)
-    return out if bias is None else out + bias
+    def apply(self, layer: nn.Linear, x: torch.Tensor,
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same names) that runs through :func:`linear`, remembering
-    the measured route per row count so the forward pays one list lookup.
-
-    A route that reads a prepared copy of the weight (``kernel_choice.PREPARE``: oneDNN's packed
-    layout) gets it from :meth:`prepared_weight`, made on first use and remade whenever ``weight``
-    is replaced or written in place (its version counter moves), so the copy is never stale. The
-    copy is a plain attribute, not a buffer: ``state_dict``, ``.to()`` and every reader of
-    ``weight`` see only the parameter."""
+    """``nn.Linear`` (same parameters, same names) whose forward is its ``quant_method``'s
+    ``apply``. ``quant_method`` is a plain attribute, not a module: ``state_dict``, ``.to()`` and
+    every reader of ``weight`` see only the parameters."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # Index m for m <= MAX_TUNED_ROWS rows, the last entry for more (a prefill).
-        self._route_by_rows: list = [None] * (MAX_TUNED_ROWS + 2)
-        self._prepared: tuple | None = None   # (route, weight, its version, the copy)
-
-    def set_prepared(self, route: str, copy: torch.Tensor) -> None:
-        """Adopt ``copy`` (``PREPARE[route](self.weight)``, made elsewhere: the tuner's)."""
-        self._prepared = (route, self.weight, self.weight._version, copy)
-
-    def prepared_weight(self, route: str) -> torch.Tensor:
-        w, p = self.weight, self._prepared
-        version = w._version
-        if p is None or p[0] != route or p[1] is not w or p[2] != version:
-            with torch.no_grad():
-                p = self._prepared = (route, w, version, PREPARE[route](w.detach()))
-        return p[3]
+        self.quant_method: LinearMethodBase = UnquantizedLinearMethod()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _f_linear_only(x, self.weight):
-            return F.linear(x, self.weight, self.bias)
-        m = x.shape[0]
-        i = min(m, MAX_TUNED_ROWS + 1)
-        route = self._route_by_rows[i]
-        if route is None:
-            route = self._route_by_rows[i] = choose(self.weight, m)
-        operand = self.prepared_weight(route) if route in PREPARE else self.weight
-        return _run_route(x, operand, self.bias, route)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 ShardId = Union[int, str]

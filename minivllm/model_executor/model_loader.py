@@ -29,7 +29,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from minivllm.model_executor.kernel_choice import tune_model
+from minivllm.model_executor.cpu_linear import process_weights_after_loading
 from minivllm.model_executor.models.llama import LlamaForCausalLM
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -218,6 +218,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device,
         model = LlamaForCausalLM(config, attention_backend=attention_backend, num_layers=num_layers)
     model = model.to(dtype=dtype).to_empty(device=torch.device(device))
     model.load_weights(safetensors_weights_iterator(model_path))
-    # Few-row projection routes are timed here, once per shape, not inside the first steps.
-    model.kernel_choices = tune_model(model)
+    # vLLM's process_weights_after_loading: on a CPU each Linear gets its measured routes here,
+    # timed once per shape, not inside the first steps.
+    model.kernel_choices = process_weights_after_loading(model)
     return model.eval().requires_grad_(False)

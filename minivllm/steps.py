@@ -50,7 +50,7 @@ STEPS: tuple[Step, ...] = (
          "request.request_id, request.spec_token_ids"),
     Step("spec.4", "Next step: count len(request.spec_token_ids) as new tokens, so allocate_slots "
          "reserves KV blocks for them.",
-         "Scheduler.schedule", "core/sched/scheduler.py",
+         "Scheduler.schedule_running", "core/sched/scheduler.py",
          "request.request_id, request.spec_token_ids, num_new_tokens, token_budget, "
          "self.num_lookahead_tokens, new_blocks.get_block_ids(), "
          "self.kv_cache_manager.get_block_ids(request.request_id)"),
@@ -81,16 +81,16 @@ STEPS: tuple[Step, ...] = (
          "type(self.connector).__name__, self.connector.role"),
     Step("pd.lookup", "Cache lookup: after the local prefix-cache check, get_num_new_matched_tokens "
          "counts externally cached tokens (prefill: always 0; decode: maybe a hit).",
-         "Scheduler.schedule", "core/sched/scheduler.py",
+         "Scheduler._get_computed_tokens", "core/sched/scheduler.py",
          "request.request_id, len(request.prompt_token_ids), self.block_size, "
          "num_new_local_computed_tokens, num_external_computed_tokens, load_kv_async"),
     Step("pd.update_state", "State update: update_state_after_alloc records the requests that had "
          "an external hit (no-op for prefill).",
-         "Scheduler.schedule", "core/sched/scheduler.py",
+         "Scheduler._allocate_and_update_state", "core/sched/scheduler.py",
          "request.request_id, new_blocks.get_block_ids(), num_external_computed_tokens"),
     Step("pd.build_meta", "Build metadata: meta = build_connector_meta(); prefill adds requests with "
          "is_store=True, decode with is_store=False.",
-         "Scheduler.schedule", "core/sched/scheduler.py",
+         "Scheduler._make_scheduler_output", "core/sched/scheduler.py",
          "type(scheduler_output.kv_connector_metadata).__name__"),
     Step("pd.enter", "Context manager, on enter: start_load_kv (decode loads external KV into the "
          "paged memory; prefill: no-op).",
@@ -107,7 +107,7 @@ STEPS: tuple[Step, ...] = (
          "type(connector).__name__, connector.role"),
     Step("pd.async_wait", "An asynchronous load starts: the request waits in "
          "WAITING_FOR_REMOTE_KVS, blocks allocated, while the worker fetches its KV.",
-         "Scheduler.schedule", "core/sched/scheduler.py",
+         "KVTransferMixin._start_async_load", "core/sched/kv_transfer.py",
          "request.request_id, num_external_computed_tokens, self.waiting_for_remote_kvs"),
     Step("pd.async_ready", "The worker reported the load done (finished_recving): the loaded tokens "
          "count as computed and the request is scheduled again.",

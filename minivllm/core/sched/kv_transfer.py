@@ -1,11 +1,14 @@
 """The scheduler's KV-transfer bookkeeping, mirroring the parts of vllm/v1/core/sched/scheduler.py
-that only a KV connector exercises: failed loads (``_handle_invalid_blocks``), the worker's finished
-transfers (``_update_from_kv_xfer_finished``) and waking a request whose asynchronous load landed
-(``_update_waiting_for_remote_kv``), and the delayed free of finished requests whose blocks a
-transfer still uses (``_delay_or_free``). A mixin of ``Scheduler``, kept apart so that the
-scheduling loop reads in one sitting; it uses the scheduler's ``requests``, ``running``,
-``kv_cache_manager``, ``connector``, ``waiting_for_remote_kvs``, ``finished_recving_kv_req_ids``
-and ``delayed_free``.
+that only a KV connector exercises: the asynchronous-load path of the waiting loop (parking a
+request whose load is asynchronous in ``WAITING_FOR_REMOTE_KVS``, ``_start_async_load``; taking it
+up again once the load landed, ``_get_remote_kv_computed_tokens`` and
+``_update_waiting_for_remote_kv``), failed loads (``_handle_invalid_blocks``), the worker's finished
+transfers (``_update_from_kv_xfer_finished``), and the delayed free of finished requests whose
+blocks a transfer still uses (``_delay_or_free``). A mixin of ``Scheduler``, kept apart so that the
+scheduling loops read in one sitting, the synchronous path straight through; it uses the
+scheduler's ``requests``, ``running``, ``kv_cache_manager``, ``connector``,
+``waiting_for_remote_kvs``, ``finished_recving_kv_req_ids``, ``delayed_free``,
+``_get_computed_tokens`` and ``_allocate_and_update_state``.
 
 Delayed free (vLLM's ``_free_request`` / ``_update_from_kv_xfer_finished``): a finished request
 leaves ``running`` / ``waiting`` at once, but its blocks and its ``requests`` entry stay while
@@ -19,14 +22,54 @@ blocks, ``"delayed_free_done"`` (req_id, reason, block_ids) when they are freed 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from minivllm import trace
+from minivllm.core.sched.utils import ComputedTokens
 from minivllm.request import Request, RequestStatus
 from minivllm.steps import BREAKS, at_step
 
 
 class KVTransferMixin:
+    # ------------------------------------------------------------------ asynchronous loads
+    def _start_async_load(self, request: Request, computed_tokens: ComputedTokens) -> bool:
+        """Load first, compute later: the connector's ``load_kv_async``. Blocks for the local
+        hits and the external tokens only, not cached until the load lands; then the request
+        waits in ``WAITING_FOR_REMOTE_KVS`` while the worker fetches in the background and other
+        requests keep running. Returns False (nothing changed) when the blocks do not fit."""
+        (new_computed_blocks, num_new_local_computed_tokens, num_external_computed_tokens,
+         num_computed_tokens, _) = computed_tokens
+        # No lookahead while the load is pending, as vLLM 0.32 (scheduler.py): nothing is
+        # computed yet, so nothing drafts. The request gets its k slots once it runs.
+        new_blocks = self._allocate_and_update_state(
+            request, 0, num_new_local_computed_tokens, new_computed_blocks,
+            num_external_computed_tokens, num_lookahead_tokens=0, delay_cache_blocks=True)
+        if new_blocks is None:
+            return False
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote_kvs[request.request_id] = num_computed_tokens
+        trace.record("remote_kv_wait", req_id=request.request_id,
+                     num_local_computed_tokens=num_new_local_computed_tokens,
+                     num_external_computed_tokens=num_external_computed_tokens)
+        if BREAKS and at_step("pd.async_wait"): breakpoint()
+        return True
+
+    def _get_remote_kv_computed_tokens(self, request: Request) -> Optional[ComputedTokens]:
+        """The waiting loop's cache lookup for a request whose asynchronous load was started:
+        None while the load runs; once the worker reported it, its loaded tokens are computed and
+        their blocks allocated, so nothing local or external is new (vLLM: "WAITING reqs have
+        num_computed_tokens > 0 after async KV recvs are completed"). A load whose first block
+        failed starts over, with the lookup."""
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if not self._update_waiting_for_remote_kv(request):
+                return None
+            request.status = (RequestStatus.PREEMPTED if request.num_preemptions
+                              else RequestStatus.WAITING)
+            if request.num_computed_tokens == 0:
+                return self._get_computed_tokens(request)
+        return ComputedTokens(None, 0, 0, request.num_computed_tokens, False)
+
+    # ------------------------------------------------------------------ failed loads, finished transfers
     def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:
         """External KV that failed to load after it was counted as computed (vLLM's
         ``_handle_invalid_blocks``): cut each affected request back to its first invalid block so

@@ -21,10 +21,11 @@ from typing import Any, Callable, Optional
 from minivllm import trace
 from minivllm.config import VllmConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.kv_cache_utils import get_request_block_hasher
+from minivllm.core.kv_cache_utils import KVCacheBlocks, get_request_block_hasher
 from minivllm.core.sched.kv_transfer import KVTransferMixin
-from minivllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from minivllm.core.sched.utils import check_stop, record_schedule
+from minivllm.core.sched.output import NewRequestData, SchedulerOutput
+from minivllm.core.sched.utils import (ComputedTokens, ScheduledRequests, check_stop,
+                                       make_cached_request_data, record_schedule)
 from minivllm.request import Request, RequestStatus
 from minivllm.spec_decode.metrics import SpecDecodingStats
 from minivllm.steps import BREAKS, at_step
@@ -111,21 +112,32 @@ class Scheduler(KVTransferMixin):
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
-        scheduled_new_reqs: list[Request] = []
-        scheduled_resumed_reqs: list[Request] = []
+        """One step's schedule, in vLLM's order: the running requests, then the waiting ones (only
+        if nothing had to be preempted), then the output the workers get."""
+        scheduled = self.schedule_running(self.max_num_scheduled_tokens)
+        if not scheduled.preempted_reqs:
+            self.schedule_waiting(scheduled)
+        scheduler_output = self._make_scheduler_output(scheduled)
+        self._update_after_schedule(scheduler_output)
+        if trace.is_recording():
+            record_schedule(self, scheduler_output, scheduled.token_budget)
+        return scheduler_output
+
+    def schedule_running(self, token_budget: int) -> ScheduledRequests:
+        """First, the RUNNING requests (vLLM's first loop; spec decode step 4).
+
+        Drafts are part of ``num_tokens_with_spec``, so they count as new tokens and
+        ``allocate_slots`` reserves their KV slots, plus ``num_lookahead_tokens`` for a drafter that
+        writes KV of its own. When the pool is out of blocks, the last running request is preempted
+        until the allocation fits (or the request itself was the last one)."""
         scheduled_running_reqs: list[Request] = []
         preempted_reqs: list[Request] = []
-        req_to_new_blocks: dict[str, Any] = {}
+        req_to_new_blocks: dict[str, KVCacheBlocks] = {}
         num_scheduled_tokens: dict[str, int] = {}
         scheduled_spec_decode_tokens: dict[str, list[int]] = {}
-        token_budget = self.max_num_scheduled_tokens
-        has_sync_kv_loads = False
-
-        # A: running requests.
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            # Article step 4: drafts are part of num_tokens_with_spec, so they count as new tokens.
             num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
             if 0 < self.long_prefill_token_threshold < num_new_tokens:
                 num_new_tokens = self.long_prefill_token_threshold
@@ -134,21 +146,19 @@ class Scheduler(KVTransferMixin):
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
-
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens)
                 if new_blocks is not None:
                     break
                 # Out of KV blocks: preempt the lowest-priority (last) running request.
-                victim = self.running.pop()
-                self._preempt_request(victim)
-                preempted_reqs.append(victim)
-                if victim is request:
+                preempted_req = self.running.pop()
+                self._preempt_request(preempted_req)
+                preempted_reqs.append(preempted_req)
+                if preempted_req is request:
                     break
             if new_blocks is None:
                 break
-
             if BREAKS and at_step("spec.4", request.spec_token_ids): breakpoint()
             scheduled_running_reqs.append(request)
             req_to_new_blocks[request.request_id] = new_blocks
@@ -156,147 +166,158 @@ class Scheduler(KVTransferMixin):
             token_budget -= num_new_tokens
             req_index += 1
             if request.spec_token_ids:
-                # The budget or max_model_len may have cut some drafts: keep only the scheduled ones.
-                num_scheduled_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
-                if num_scheduled_spec > 0:
-                    scheduled_spec_decode_tokens[request.request_id] = (
-                        request.spec_token_ids[:num_scheduled_spec])
-                # Fresh drafts arrive through update_draft_token_ids() after this step.
-                request.spec_token_ids = []
+                self._schedule_spec_tokens(request, num_new_tokens, scheduled_spec_decode_tokens)
+        return ScheduledRequests(token_budget, scheduled_running_reqs, preempted_reqs, req_to_new_blocks,
+                                 num_scheduled_tokens, scheduled_spec_decode_tokens)
 
-        # B: waiting requests, only if nothing had to be preempted.
-        skipped_waiting: deque[Request] = deque()
-        if not preempted_reqs:
-            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
-                request = self.waiting[0]
-                if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                    if not self._update_waiting_for_remote_kv(request):
-                        skipped_waiting.append(self.waiting.popleft())
-                        continue
-                    request.status = (RequestStatus.PREEMPTED if request.num_preemptions
-                                      else RequestStatus.WAITING)
-                num_external_computed_tokens, load_kv_async = 0, False
-                new_computed_blocks = None
-                if request.num_computed_tokens == 0:
-                    # Local prefix cache first (article, P/D "cache lookup": after local prefix-cache checks).
-                    new_computed_blocks, num_new_local_computed_tokens = (
-                        self.kv_cache_manager.get_computed_blocks(request))
-                    if self.connector is not None:
-                        num_external_computed_tokens, load_kv_async = (
-                            self.connector.get_num_new_matched_tokens(
-                                request, num_new_local_computed_tokens))
-                        if num_external_computed_tokens is None:   # "ask again later"
-                            skipped_waiting.append(self.waiting.popleft())
-                            continue
-                        request.num_external_computed_tokens = num_external_computed_tokens
-                        if BREAKS and at_step("pd.lookup"): breakpoint()
-                    num_computed_tokens = num_new_local_computed_tokens + num_external_computed_tokens
-                else:   # back from an async load: its KV is in place, its blocks are allocated
-                    num_new_local_computed_tokens = 0
-                    num_computed_tokens = request.num_computed_tokens
+    def _schedule_spec_tokens(self, request: Request, num_new_tokens: int,
+                              scheduled_spec_decode_tokens: dict[str, list[int]]) -> None:
+        """The drafts that fit in ``num_new_tokens`` go to the workers (the budget or max_model_len
+        may have cut some); ``request.spec_token_ids`` is emptied, fresh drafts arrive through
+        ``update_draft_token_ids()`` after this step (vLLM's "Speculative decode related" lines)."""
+        num_scheduled_spec_tokens = num_new_tokens + request.num_computed_tokens - request.num_tokens
+        if num_scheduled_spec_tokens > 0:
+            scheduled_spec_decode_tokens[request.request_id] = (
+                request.spec_token_ids[:num_scheduled_spec_tokens])
+        request.spec_token_ids = []
 
-                if load_kv_async:   # load first, compute later: allocate for the loaded tokens only
-                    num_new_tokens = 0
-                else:
-                    num_new_tokens = request.num_tokens - num_computed_tokens
-                    if 0 < self.long_prefill_token_threshold < num_new_tokens:
-                        num_new_tokens = self.long_prefill_token_threshold
-                    if not self.enable_chunked_prefill and num_new_tokens > token_budget:
-                        break
-                    num_new_tokens = min(num_new_tokens, token_budget)
+    def schedule_waiting(self, scheduled: ScheduledRequests) -> None:
+        """Next, the WAITING requests (vLLM's second loop), while the budget and ``max_num_seqs``
+        allow: P/D "cache lookup" (``_get_computed_tokens``), the new tokens, ``allocate_slots``
+        and P/D "state update" (``_allocate_and_update_state``), then the request runs.
 
-                # As vLLM 0.32 (scheduler.py): no lookahead only while an asynchronous load is
-                # pending (nothing is computed yet, so nothing drafts); a sync load or a plain
-                # prefill drafts right after this step and gets its k slots now.
-                effective_lookahead_tokens = 0 if load_kv_async else self.num_lookahead_tokens
-                new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, num_new_tokens + num_external_computed_tokens,
-                    num_new_local_computed_tokens, new_computed_blocks,
-                    num_lookahead_tokens=effective_lookahead_tokens, delay_cache_blocks=load_kv_async)
-                if new_blocks is None:
-                    break   # stays at the head of `waiting`
-                if self.connector is not None:
-                    # All of the request's blocks, lookahead included, on every call (also the one
-                    # after an async load), as vLLM 0.32 passes kv_cache_manager.get_blocks().
-                    self.connector.update_state_after_alloc(
-                        request, self.kv_cache_manager.get_blocks(request.request_id),
-                        num_external_computed_tokens)
-                    if BREAKS and at_step("pd.update_state"): breakpoint()
-                if load_kv_async:
-                    # The worker fetches in the background; other requests keep running.
-                    skipped_waiting.append(self.waiting.popleft())
-                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                    self.waiting_for_remote_kvs[request.request_id] = num_computed_tokens
-                    trace.record("remote_kv_wait", req_id=request.request_id,
-                                 num_local_computed_tokens=num_new_local_computed_tokens,
-                                 num_external_computed_tokens=num_external_computed_tokens)
-                    if BREAKS and at_step("pd.async_wait"): breakpoint()
-                    continue
+        A request that cannot start now moves behind the others (``skipped_waiting_requests``):
+        the connector asks to be asked again later, or its KV loads asynchronously (kv_transfer.py:
+        ``_get_remote_kv_computed_tokens``, ``_start_async_load``). The first one that finds no
+        room ends the loop and stays at the head of ``waiting``."""
+        skipped_waiting_requests: deque[Request] = deque()
+        while (self.waiting and scheduled.token_budget > 0
+               and len(self.running) < self.max_num_running_reqs):
+            request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS or request.num_computed_tokens:
+                computed_tokens = self._get_remote_kv_computed_tokens(request)
+            else:
+                computed_tokens = self._get_computed_tokens(request)
+            if computed_tokens is None:
+                skipped_waiting_requests.append(self.waiting.popleft())
+                continue
+            (new_computed_blocks, num_new_local_computed_tokens, num_external_computed_tokens,
+             num_computed_tokens, load_kv_async) = computed_tokens
+            if load_kv_async:   # load first, compute later (kv_transfer.py)
+                if not self._start_async_load(request, computed_tokens):
+                    break
+                skipped_waiting_requests.append(self.waiting.popleft())
+                continue
+            num_new_tokens = request.num_tokens - num_computed_tokens
+            if 0 < self.long_prefill_token_threshold < num_new_tokens:
+                num_new_tokens = self.long_prefill_token_threshold
+            if not self.enable_chunked_prefill and num_new_tokens > scheduled.token_budget:
+                break
+            num_new_tokens = min(num_new_tokens, scheduled.token_budget)
+            new_blocks = self._allocate_and_update_state(
+                request, num_new_tokens, num_new_local_computed_tokens, new_computed_blocks,
+                num_external_computed_tokens, self.num_lookahead_tokens)
+            if new_blocks is None:
+                break   # stays at the head of `waiting`
+            self.waiting.popleft()
+            self._add_to_running(request, scheduled, num_new_tokens, computed_tokens)
+        self.waiting.extendleft(reversed(skipped_waiting_requests))
 
-                self.waiting.popleft()
-                self.running.append(request)
-                if num_external_computed_tokens > 0:   # not async here: loaded in this step
-                    has_sync_kv_loads = True
-                if request.status == RequestStatus.PREEMPTED:
-                    scheduled_resumed_reqs.append(request)
-                else:
-                    scheduled_new_reqs.append(request)
-                req_to_new_blocks[request.request_id] = self.kv_cache_manager.get_blocks(
-                    request.request_id)
-                num_scheduled_tokens[request.request_id] = num_new_tokens
-                token_budget -= num_new_tokens
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_computed_tokens
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_computed_tokens
-                trace.record("prefix_hit", req_id=request.request_id,
-                             num_local_computed_tokens=num_new_local_computed_tokens,
-                             num_external_computed_tokens=num_external_computed_tokens)
-        self.waiting.extendleft(reversed(skipped_waiting))
+    def _get_computed_tokens(self, request: Request) -> Optional[ComputedTokens]:
+        """P/D "cache lookup": the local prefix cache first, then the connector's
+        ``get_num_new_matched_tokens`` for what lies beyond it (prefill: always 0; decode: maybe a
+        hit). None when the connector asks to be asked again later."""
+        new_computed_blocks, num_new_local_computed_tokens = (
+            self.kv_cache_manager.get_computed_blocks(request))
+        num_external_computed_tokens, load_kv_async = 0, False
+        if self.connector is not None:
+            num_external_computed_tokens, load_kv_async = (
+                self.connector.get_num_new_matched_tokens(request, num_new_local_computed_tokens))
+            if num_external_computed_tokens is None:
+                return None
+            request.num_external_computed_tokens = num_external_computed_tokens
+            if BREAKS and at_step("pd.lookup"): breakpoint()
+        num_computed_tokens = num_new_local_computed_tokens + num_external_computed_tokens
+        return ComputedTokens(new_computed_blocks, num_new_local_computed_tokens,
+                              num_external_computed_tokens, num_computed_tokens, load_kv_async)
 
-        # C: finish the output.
+    def _allocate_and_update_state(self, request: Request, num_new_tokens: int,
+                                   num_new_local_computed_tokens: int,
+                                   new_computed_blocks: Optional[KVCacheBlocks],
+                                   num_external_computed_tokens: int, num_lookahead_tokens: int,
+                                   delay_cache_blocks: bool = False) -> Optional[KVCacheBlocks]:
+        """``allocate_slots`` for a waiting request's new and external tokens (its local hits are
+        claimed, not allocated), then P/D "state update": the connector's
+        ``update_state_after_alloc`` records an external hit to load (no-op for prefill). It gets
+        all of the request's blocks, lookahead included, as vLLM passes
+        ``kv_cache_manager.get_blocks()``. Returns the new blocks, or None when they do not fit."""
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_new_tokens + num_external_computed_tokens,
+            num_new_local_computed_tokens, new_computed_blocks,
+            num_lookahead_tokens=num_lookahead_tokens, delay_cache_blocks=delay_cache_blocks)
+        if new_blocks is not None and self.connector is not None:
+            self.connector.update_state_after_alloc(
+                request, self.kv_cache_manager.get_blocks(request.request_id),
+                num_external_computed_tokens)
+            if BREAKS and at_step("pd.update_state"): breakpoint()
+        return new_blocks
+
+    def _add_to_running(self, request: Request, scheduled: ScheduledRequests, num_new_tokens: int,
+                        computed_tokens: ComputedTokens) -> None:
+        """A waiting request runs from this step on: the worker gets it in full, with all of its
+        blocks (``scheduled_new_reqs``, or ``scheduled_resumed_reqs`` after a preemption), and its
+        local and external hits count as computed (the ``"prefix_hit"`` record)."""
+        num_computed_tokens = computed_tokens.num_computed_tokens
+        num_external_computed_tokens = computed_tokens.num_external_computed_tokens
+        self.running.append(request)
+        if num_external_computed_tokens > 0:   # loaded in this step's forward
+            scheduled.has_sync_kv_loads = True
+        if request.status == RequestStatus.PREEMPTED:
+            scheduled.scheduled_resumed_reqs.append(request)
+        else:
+            scheduled.scheduled_new_reqs.append(request)
+        scheduled.req_to_new_blocks[request.request_id] = self.kv_cache_manager.get_blocks(
+            request.request_id)
+        scheduled.num_scheduled_tokens[request.request_id] = num_new_tokens
+        scheduled.token_budget -= num_new_tokens
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed_tokens
+        trace.record("prefix_hit", req_id=request.request_id,
+                     num_local_computed_tokens=computed_tokens.num_new_local_computed_tokens,
+                     num_external_computed_tokens=num_external_computed_tokens)
+
+    def _make_scheduler_output(self, scheduled: ScheduledRequests) -> SchedulerOutput:
+        """The step's ``SchedulerOutput``: new requests in full, the others as deltas; then P/D
+        "build metadata object": the connector's ``build_connector_meta`` (prefill marks stores,
+        decode marks loads) rides along to its worker half."""
         num_common_prefix_blocks = [0]
         if self.running:
             num_common_prefix_blocks = self.kv_cache_manager.get_num_common_prefix_blocks(
                 self.running[0].request_id, len(self.running))
+        req_to_new_blocks = scheduled.req_to_new_blocks
         new_reqs_data = [NewRequestData.from_request(
-            r, req_to_new_blocks[r.request_id].get_block_ids()) for r in scheduled_new_reqs]
-        cached_reqs_data = self._make_cached_request_data(
-            scheduled_running_reqs, scheduled_resumed_reqs, req_to_new_blocks)
+            r, req_to_new_blocks[r.request_id].get_block_ids()) for r in scheduled.scheduled_new_reqs]
+        cached_reqs_data = make_cached_request_data(
+            scheduled.scheduled_running_reqs, scheduled.scheduled_resumed_reqs, req_to_new_blocks)
+        num_scheduled_tokens = scheduled.num_scheduled_tokens
         scheduler_output = SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
             scheduled_cached_reqs=cached_reqs_data,
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
-            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
+            scheduled_spec_decode_tokens=scheduled.scheduled_spec_decode_tokens,
             num_common_prefix_blocks=list(num_common_prefix_blocks),
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted_reqs},
-            has_sync_kv_loads=has_sync_kv_loads,
+            preempted_req_ids={r.request_id for r in scheduled.preempted_reqs},
+            has_sync_kv_loads=scheduled.has_sync_kv_loads,
         )
         if self.connector is not None:
-            # P/D "build metadata object": prefill marks stores, decode marks loads.
             scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(
                 scheduler_output)
             if BREAKS and at_step("pd.build_meta", scheduler_output.kv_connector_metadata): breakpoint()
-        self._update_after_schedule(scheduler_output)
-        if trace.is_recording():
-            record_schedule(self, scheduler_output, token_budget)
         return scheduler_output
-
-    def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],
-                                  req_to_new_blocks: dict[str, Any]) -> CachedRequestData:
-        data = CachedRequestData()
-        for req in running_reqs + resumed_reqs:
-            data.req_ids.append(req.request_id)
-            resumed = req in resumed_reqs
-            if resumed:
-                data.resumed_req_ids.add(req.request_id)
-                data.resumed_req_token_ids[req.request_id] = list(req.all_token_ids)
-            data.new_block_ids.append(req_to_new_blocks[req.request_id].get_block_ids())
-            data.num_computed_tokens.append(req.num_computed_tokens)
-            data.num_output_tokens.append(req.num_output_tokens)
-        return data
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         # num_computed_tokens is optimistic: advanced *before* the model runs; rejected drafts are

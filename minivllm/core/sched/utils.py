@@ -1,10 +1,59 @@
-"""Stop checks, mirroring vllm/v1/core/sched/utils.py ``check_stop``."""
+"""Stop checks, mirroring vllm/v1/core/sched/utils.py ``check_stop``; and what one
+``Scheduler.schedule()`` call builds on its way to the ``SchedulerOutput`` (``ScheduledRequests``,
+``make_cached_request_data``), with its step records (``record_schedule``)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Optional
 
 from minivllm import trace
+from minivllm.core.kv_cache_utils import KVCacheBlocks
+from minivllm.core.sched.output import CachedRequestData
 from minivllm.request import Request, RequestStatus
+
+class ComputedTokens(NamedTuple):
+    """A waiting request's cache lookup (``Scheduler._get_computed_tokens``), in vLLM's names."""
+    new_computed_blocks: Optional[KVCacheBlocks]   # local prefix-cache hits (None: none looked up)
+    num_new_local_computed_tokens: int
+    num_external_computed_tokens: int              # the connector's hit
+    num_computed_tokens: int                       # what the request starts from
+    load_kv_async: bool                            # the connector loads it in the background
+
+
+@dataclass
+class ScheduledRequests:
+    """The lists and dicts one ``schedule()`` call fills, under the names vLLM's ``schedule()``
+    gives them as locals (vllm/v1/core/sched/scheduler.py): the running loop makes it, the waiting
+    loop adds to it, ``_make_scheduler_output`` turns it into the ``SchedulerOutput``."""
+    token_budget: int
+    scheduled_running_reqs: list[Request] = field(default_factory=list)
+    preempted_reqs: list[Request] = field(default_factory=list)
+    # req_id -> the blocks the worker learns of this step (running: the new ones; new and
+    # resumed requests: all of them)
+    req_to_new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_new_reqs: list[Request] = field(default_factory=list)
+    scheduled_resumed_reqs: list[Request] = field(default_factory=list)
+    # A request admitted this step loads external KV in this step's forward.
+    has_sync_kv_loads: bool = False
+
+
+def make_cached_request_data(running_reqs: list[Request], resumed_reqs: list[Request],
+                             req_to_new_blocks: dict[str, KVCacheBlocks]) -> CachedRequestData:
+    """The requests the worker already knows (running) or knew (resumed after preemption), as
+    column-oriented deltas (vLLM's ``_make_cached_request_data``)."""
+    data = CachedRequestData()
+    for req in running_reqs + resumed_reqs:
+        data.req_ids.append(req.request_id)
+        resumed = req in resumed_reqs
+        if resumed:
+            data.resumed_req_ids.add(req.request_id)
+            data.resumed_req_token_ids[req.request_id] = list(req.all_token_ids)
+        data.new_block_ids.append(req_to_new_blocks[req.request_id].get_block_ids())
+        data.num_computed_tokens.append(req.num_computed_tokens)
+        data.num_output_tokens.append(req.num_output_tokens)
+    return data
 
 
 def check_stop(request: Request, max_model_len: int,

@@ -69,7 +69,7 @@ class KVTransferMixin:
                 return self._get_computed_tokens(request)
         return ComputedTokens(None, 0, 0, request.num_computed_tokens, False)
 
-    # ------------------------------------------------------------------ failed loads, finished transfers
+    # ------------------------------------------------------------------ failed loads, transfers
     def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:
         """External KV that failed to load after it was counted as computed (vLLM's
         ``_handle_invalid_blocks``): cut each affected request back to its first invalid block so

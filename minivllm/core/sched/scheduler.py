@@ -1,17 +1,20 @@
 """The scheduler, mirroring vllm/v1/core/sched/scheduler.py (Dec-2025 semantics).
 
 There are no prefill and decode phases: each step tries to close the gap between a request's
-``num_computed_tokens`` and ``num_tokens_with_spec`` under a token budget. Running requests go first
-(preempting from the back of ``running`` when ``allocate_slots`` fails), then waiting ones.
-
-Article steps that live here:
-- spec decode step 4: drafts in ``request.spec_token_ids`` count as new tokens, so ``allocate_slots``
-  reserves their KV slots;
-- P/D "cache lookup", "state update" and "build metadata object": the KV connector's
-  ``get_num_new_matched_tokens``, ``update_state_after_alloc`` and ``build_connector_meta``;
-  an asynchronous load parks its request in ``WAITING_FOR_REMOTE_KVS`` (blocks allocated) until the
-  worker reports it in ``finished_recving`` (``_update_waiting_for_remote_kv``, with the other
-  KV-transfer bookkeeping in ``kv_transfer.py``).
+``num_computed_tokens`` and ``num_tokens_with_spec`` under a token budget. ``schedule()`` runs
+vLLM's sections in order, each a function here, sharing what it builds in ``ScheduledRequests``
+(utils.py):
+- ``schedule_running``: the running requests (spec decode step 4: drafts in
+  ``request.spec_token_ids`` count as new tokens, so ``allocate_slots`` reserves their KV slots;
+  preempting from the back of ``running`` when it fails);
+- ``schedule_waiting``: the waiting ones, only if nothing was preempted, through the P/D steps
+  "cache lookup" (``_get_computed_tokens``: ``get_num_new_matched_tokens``) and "state update"
+  (``_allocate_and_update_state``: ``update_state_after_alloc``);
+- ``_make_scheduler_output``: the ``SchedulerOutput``, with P/D "build metadata object"
+  (``build_connector_meta``).
+An asynchronous load takes its own path, in kv_transfer.py with the other KV-transfer bookkeeping:
+its request waits in ``WAITING_FOR_REMOTE_KVS`` (blocks allocated) until the worker reports it in
+``finished_recving``.
 """
 from __future__ import annotations
 
@@ -167,15 +170,17 @@ class Scheduler(KVTransferMixin):
             req_index += 1
             if request.spec_token_ids:
                 self._schedule_spec_tokens(request, num_new_tokens, scheduled_spec_decode_tokens)
-        return ScheduledRequests(token_budget, scheduled_running_reqs, preempted_reqs, req_to_new_blocks,
-                                 num_scheduled_tokens, scheduled_spec_decode_tokens)
+        return ScheduledRequests(token_budget, scheduled_running_reqs, preempted_reqs,
+                                 req_to_new_blocks, num_scheduled_tokens,
+                                 scheduled_spec_decode_tokens)
 
     def _schedule_spec_tokens(self, request: Request, num_new_tokens: int,
                               scheduled_spec_decode_tokens: dict[str, list[int]]) -> None:
         """The drafts that fit in ``num_new_tokens`` go to the workers (the budget or max_model_len
         may have cut some); ``request.spec_token_ids`` is emptied, fresh drafts arrive through
         ``update_draft_token_ids()`` after this step (vLLM's "Speculative decode related" lines)."""
-        num_scheduled_spec_tokens = num_new_tokens + request.num_computed_tokens - request.num_tokens
+        num_scheduled_spec_tokens = (num_new_tokens + request.num_computed_tokens
+                                     - request.num_tokens)
         if num_scheduled_spec_tokens > 0:
             scheduled_spec_decode_tokens[request.request_id] = (
                 request.spec_token_ids[:num_scheduled_spec_tokens])
@@ -194,6 +199,7 @@ class Scheduler(KVTransferMixin):
         while (self.waiting and scheduled.token_budget > 0
                and len(self.running) < self.max_num_running_reqs):
             request = self.waiting[0]
+            # A request whose asynchronous load was started looks up its loaded tokens instead.
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS or request.num_computed_tokens:
                 computed_tokens = self._get_remote_kv_computed_tokens(request)
             else:
@@ -216,7 +222,7 @@ class Scheduler(KVTransferMixin):
             num_new_tokens = min(num_new_tokens, scheduled.token_budget)
             new_blocks = self._allocate_and_update_state(
                 request, num_new_tokens, num_new_local_computed_tokens, new_computed_blocks,
-                num_external_computed_tokens, self.num_lookahead_tokens)
+                num_external_computed_tokens, num_lookahead_tokens=self.num_lookahead_tokens)
             if new_blocks is None:
                 break   # stays at the head of `waiting`
             self.waiting.popleft()
@@ -297,8 +303,9 @@ class Scheduler(KVTransferMixin):
             num_common_prefix_blocks = self.kv_cache_manager.get_num_common_prefix_blocks(
                 self.running[0].request_id, len(self.running))
         req_to_new_blocks = scheduled.req_to_new_blocks
-        new_reqs_data = [NewRequestData.from_request(
-            r, req_to_new_blocks[r.request_id].get_block_ids()) for r in scheduled.scheduled_new_reqs]
+        new_reqs_data = [
+            NewRequestData.from_request(r, req_to_new_blocks[r.request_id].get_block_ids())
+            for r in scheduled.scheduled_new_reqs]
         cached_reqs_data = make_cached_request_data(
             scheduled.scheduled_running_reqs, scheduled.scheduled_resumed_reqs, req_to_new_blocks)
         num_scheduled_tokens = scheduled.num_scheduled_tokens

@@ -8,11 +8,11 @@ Names are ``module.qualname`` strings, so nothing here is imported until it is p
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 import sys
 import textwrap
-from typing import Any
+
+from minivllm.utils import resolve_obj_by_qualname
 
 W = "minivllm.worker."
 THEN_AND_NOW: tuple[tuple[str, str, str, str], ...] = (
@@ -46,24 +46,10 @@ THEN_AND_NOW: tuple[tuple[str, str, str, str], ...] = (
 )
 
 
-def resolve(name: str) -> Any:
-    """``"pkg.module.Class.method"`` -> the function (the longest importable prefix is the module)."""
-    parts = name.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        try:
-            obj: Any = importlib.import_module(".".join(parts[:i]))
-        except ModuleNotFoundError:
-            continue
-        for attr in parts[i:]:
-            obj = getattr(obj, attr)
-        return inspect.unwrap(obj)
-    raise ImportError(name)
-
-
 def diff(article: str, today: str) -> list[str]:
     """Unified diff of the two functions' source, the article's first."""
     def source(name: str) -> list[str]:
-        return textwrap.dedent(inspect.getsource(resolve(name))).splitlines()
+        return textwrap.dedent(inspect.getsource(inspect.unwrap(resolve_obj_by_qualname(name)))).splitlines()
     short = lambda n: n.replace("minivllm.", "")  # noqa: E731
     return list(difflib.unified_diff(source(article), source(today), short(article), short(today),
                                      n=2, lineterm=""))

@@ -7,7 +7,6 @@ docstring: what a reader stepping through it has to read.
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import json
 import os
@@ -16,50 +15,40 @@ import sys
 import textwrap
 from typing import Any
 
+from minivllm.utils import resolve_obj_by_qualname
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def resolve(qualname: str, file: str) -> Any:
     """``"Scheduler.schedule"`` in ``"core/sched/scheduler.py"`` -> the function object."""
-    module = importlib.import_module("minivllm." + file[:-3].replace("/", "."))
-    obj: Any = module
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return inspect.unwrap(obj)
+    module = "minivllm." + file[:-3].replace("/", ".")
+    return inspect.unwrap(resolve_obj_by_qualname(f"{module}.{qualname}"))
+
+
+def _source_lines(func: Any, signature: bool) -> list[str]:
+    """``func``'s body lines after its docstring; with ``signature``, its decorators and ``def``
+    lines first."""
+    source = textwrap.dedent(inspect.getsource(func))
+    body = ast.parse(source).body[0].body
+    doc = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+        and isinstance(body[0].value.value, str)
+    rest = body[1:] if doc else body
+    lines = source.splitlines()
+    code = lines[rest[0].lineno - 1:] if rest else []
+    return lines[:body[0].lineno - 1] + code if signature else code
 
 
 def code_lines(func: Any) -> int:
-    source = textwrap.dedent(inspect.getsource(func))
-    node = ast.parse(source).body[0]
-    skip: set[int] = set()
-    body = getattr(node, "body", [])
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None),
-                                                             ast.Constant) \
-            and isinstance(body[0].value.value, str):
-        skip.update(range(body[0].lineno, body[0].end_lineno + 1))
-    # The body only: the decorators and the signature are not counted.
-    first = min(n.lineno for n in body if n.lineno not in skip) if body else 0
-    count = 0
-    for i, line in enumerate(source.splitlines(), start=1):
-        text = line.strip()
-        if i < first or i in skip or not text or text.startswith("#"):
-            continue
-        count += 1
-    return count
+    """Code lines of the body only: the decorators and the signature are not counted."""
+    return sum(1 for line in _source_lines(func, signature=False)
+               if line.strip() and not line.strip().startswith("#"))
 
 
 def code_text(func: Any) -> str:
     """The function's source without its docstring and comment lines (what the name rules read)."""
-    source = textwrap.dedent(inspect.getsource(func))
-    node = ast.parse(source).body[0]
-    body = getattr(node, "body", [])
-    skip: set[int] = set()
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None),
-                                                             ast.Constant):
-        skip.update(range(body[0].lineno, body[0].end_lineno + 1))
-    lines = [l for i, l in enumerate(source.splitlines(), start=1)
-             if i not in skip and not l.strip().startswith("#")]
-    return "\n".join(l.split("  #")[0] for l in lines)
+    return "\n".join(line.split("  #")[0] for line in _source_lines(func, signature=True)
+                     if not line.strip().startswith("#"))
 
 
 _LOADED = """

@@ -299,8 +299,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         state, self.execute_model_state = self.execute_model_state, None
         sampling_metadata, partial = self._prepare_sampling(state.seq_lens)
         if state.spec_decode_metadata is None:
-            sampled = self.sampler(state.logits, sampling_metadata).tolist()
-            sampled_token_ids = [[] if partial[i] else [t] for i, t in enumerate(sampled)]
+            sampled_token_ids = self._sample(state.logits, sampling_metadata, partial)
         else:
             sampled_token_ids = self._rejection_sample(state.spec_decode_metadata, state.logits,
                                                        sampling_metadata, partial)
@@ -323,6 +322,13 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             params, generators, self.device,
             num_output_tokens=[len(self.requests[r].output_token_ids) for r in batch.req_ids]
         ), partial
+
+    def _sample(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata,
+                partial: np.ndarray) -> list[list[int]]:
+        """Regular sampling, one token per request from ``logits`` ``[n, vocab]`` ([] for a
+        partial prefill chunk)."""
+        sampled = self.sampler(logits, sampling_metadata).tolist()
+        return [[] if partial[i] else [t] for i, t in enumerate(sampled)]
 
     def _rejection_sample(self, spec_md: SpecDecodeMetadata, logits: torch.Tensor,
                           sampling_metadata: SamplingMetadata,

@@ -110,10 +110,9 @@ class AsyncSchedulingMixin:
         batch = self.input_batch
         real_md, real_logits = drop_placeholder_drafts(spec_md, logits, [
             num_real_drafts(batch.spec_token_ids.get(r, ())) for r in batch.req_ids])
-        if real_md is not None:
-            return super()._rejection_sample(real_md, real_logits, sampling_metadata, partial)
-        sampled = self.sampler(real_logits, sampling_metadata).tolist()
-        return [[] if partial[i] else [t] for i, t in enumerate(sampled)]
+        if real_md is None:   # no real draft: exactly the step without drafts
+            return self._sample(real_logits, sampling_metadata, partial)
+        return super()._rejection_sample(real_md, real_logits, sampling_metadata, partial)
 
     def propose_draft_token_ids(self, sampled_token_ids: list[list[int]],
                                 state: Any) -> Optional[dict[str, list[int]]]:

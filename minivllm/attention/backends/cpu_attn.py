@@ -78,14 +78,8 @@ class CPUAttentionGroup:
 def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
                       max_seq_len: int, scale: float, shared: Optional[dict] = None) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole paged context.
-
-    Query token j of sequence s (query length q, context length L = seq_lens[s]) sits at absolute
-    position p = L - q + j and attends to the keys at positions 0..p, where position t lives in block
-    block_table[s, t // block_size] at offset t % block_size. The same rule covers a plain prefill
-    (q = L), a prefill chunk after earlier context (q < L), a decode (q = 1) and the (k+1)-token
-    verification of k drafts (causal among the new tokens). Rows of ``query`` past
-    query_start_loc[-1] (batch padding) come back as zeros.
+    """The reference's attention (``torch_ref.unified_attention``: the rule, the shapes, zeros for
+    rows past ``query_start_loc[-1]``), computed by the plan below.
 
     ``shared``: a dict that lives for one step (``AttentionMetadata.shared``). The plan below (how
     sequences are grouped, their gather indices and masks) depends only on the step's metadata,

@@ -21,6 +21,11 @@ a decode instance, which then computes the prompt itself (slower, same output). 
 that cannot be reached (or answers 5xx) is marked down for a while and the next one is tried; when
 none answers the client gets a 503 naming them. Each answer carries headers saying which instances
 served it; ``GET /proxy/requests`` lists the recent ones with their prefill times.
+
+Across machines: ``--api-key`` guards ``/v1/*`` and ``/proxy/*`` (entrypoints/openai/auth.py);
+the proxy sends the instances its own ``--backend-api-key`` (default: its own key), never the
+client's header. ``--ssl-keyfile``/``--ssl-certfile`` serve HTTPS; ``--backend-ca`` is the CA that
+signed the instances' certificates, for ``https://`` instance URLs.
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ import argparse
 import asyncio
 import collections
 import json
+import os
+import ssl
 import time
 import uuid
 from dataclasses import dataclass
@@ -37,6 +44,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
+from minivllm.entrypoints.openai.auth import api_keys_from, install_api_key, warn_if_open
 from minivllm.entrypoints.openai.errors import (error_response, generation_responses,
                                                 install_error_handlers, without_422)
 from minivllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
@@ -75,7 +83,8 @@ def _error(message: str, code: int) -> Response:
 
 class DisaggProxy:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str],
-                 prefill_timeout: float = 120.0, down_seconds: float = 5.0) -> None:
+                 prefill_timeout: float = 120.0, down_seconds: float = 5.0,
+                 backend_api_key: Optional[str] = None, backend_ca: Optional[str] = None) -> None:
         if not prefill_urls or not decode_urls:
             raise ValueError("the proxy needs at least one --prefill and one --decode URL.")
         self.prefill = RoundRobin(prefill_urls)
@@ -83,8 +92,12 @@ class DisaggProxy:
         self.prefill_timeout = prefill_timeout
         self.down_seconds = down_seconds
         self.records: collections.deque = collections.deque(maxlen=1000)
-        # No overall timeout on decode: a long generation is not a failure.
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+        # The proxy's own key for the instances; the client's Authorization never goes on.
+        self.auth = {"Authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
+        # No overall timeout on decode: a long generation is not a failure. ``backend_ca``: the
+        # CA that signed the instances' certificates (https:// instance URLs).
+        verify = ssl.create_default_context(cafile=backend_ca) if backend_ca else True
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), verify=verify,
                                         limits=httpx.Limits(max_connections=None))
 
     async def _prefill_stage(self, path: str, body: dict, request_id: str, record: dict):
@@ -103,7 +116,7 @@ class DisaggProxy:
         t0 = time.perf_counter()
         try:
             resp = await self.client.post(inst.url + path, json=pbody, timeout=self.prefill_timeout,
-                                          headers={"X-Request-Id": request_id})
+                                          headers={"X-Request-Id": request_id, **self.auth})
         except httpx.HTTPError as e:
             inst.mark_down(self.down_seconds)
             record["prefill_error"] = f"{type(e).__name__}: {e}"
@@ -137,7 +150,7 @@ class DisaggProxy:
         for inst in self.decode.order():
             tried.append(inst.url)
             req = self.client.build_request("POST", inst.url + path, json=dbody,
-                                            headers={"X-Request-Id": request_id})
+                                            headers={"X-Request-Id": request_id, **self.auth})
             try:
                 resp = await self.client.send(req, stream=True)
                 if resp.status_code >= 500:          # overloaded or broken: try the next one
@@ -186,7 +199,7 @@ async def _relay(resp: httpx.Response) -> AsyncIterator[bytes]:
         await resp.aclose()                     # also tells the decode instance to abort
 
 
-def build_app(proxy: DisaggProxy) -> FastAPI:
+def build_app(proxy: DisaggProxy, api_keys: tuple[str, ...] = ()) -> FastAPI:
     app = FastAPI(title="minivllm P/D proxy")
     install_error_handlers(app)
     faults = dict(server_fault="never from the proxy itself; a decode instance's 5xx is retried "
@@ -209,7 +222,8 @@ def build_app(proxy: DisaggProxy) -> FastAPI:
     async def models():
         for inst in proxy.decode.order():
             try:
-                r = await proxy.client.get(inst.url + "/v1/models", timeout=5.0)
+                r = await proxy.client.get(inst.url + "/v1/models", timeout=5.0,
+                                           headers=proxy.auth)
                 return Response(r.content, r.status_code, media_type="application/json")
             except httpx.HTTPError:
                 continue
@@ -227,6 +241,7 @@ def build_app(proxy: DisaggProxy) -> FastAPI:
         return list(proxy.records)
 
     without_422(app)
+    install_api_key(app, api_keys, prefixes=("/v1", "/proxy"))   # /proxy/requests names blocks
     return app
 
 
@@ -241,11 +256,31 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--prefill-timeout", type=float, default=120.0,
                     help="seconds before a prefill is given up and the decode instance recomputes")
     ap.add_argument("--log-level", default="warning")
+    ap.add_argument("--api-key", nargs="+", default=None,
+                    help="clients must send 'Authorization: Bearer KEY' (default: $VLLM_API_KEY, "
+                         "then $MINIVLLM_API_KEY)")
+    ap.add_argument("--backend-api-key", default=None,
+                    help="the key the proxy sends to the instances (default: "
+                         "$MINIVLLM_BACKEND_API_KEY, else the proxy's own first key)")
+    ap.add_argument("--ssl-keyfile", default=None, help="TLS: the proxy's private key (PEM)")
+    ap.add_argument("--ssl-certfile", default=None, help="TLS: the proxy's certificate (PEM)")
+    ap.add_argument("--backend-ca", default=None,
+                    help="CA file (PEM) that signed the instances' certificates")
     args = ap.parse_args(argv)
-    proxy = DisaggProxy(args.prefill, args.decode, prefill_timeout=args.prefill_timeout)
-    print(f"minivllm P/D proxy on http://{args.host}:{args.port}: prefill {args.prefill}, "
-          f"decode {args.decode}", flush=True)
-    uvicorn.run(build_app(proxy), host=args.host, port=args.port, log_level=args.log_level)
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        ap.error("give both --ssl-keyfile and --ssl-certfile, or neither")
+    keys = api_keys_from(args.api_key)
+    backend_key = (args.backend_api_key or os.environ.get("MINIVLLM_BACKEND_API_KEY")
+                   or (keys[0] if keys else None))
+    warn_if_open(args.host, keys, "the P/D proxy")
+    proxy = DisaggProxy(args.prefill, args.decode, prefill_timeout=args.prefill_timeout,
+                        backend_api_key=backend_key, backend_ca=args.backend_ca)
+    scheme = "https" if args.ssl_certfile else "http"
+    print(f"minivllm P/D proxy on {scheme}://{args.host}:{args.port}: prefill {args.prefill}, "
+          f"decode {args.decode} (API key {'required' if keys else 'not required'})", flush=True)
+    uvicorn.run(build_app(proxy, tuple(keys)), host=args.host, port=args.port,
+                log_level=args.log_level, ssl_keyfile=args.ssl_keyfile,
+                ssl_certfile=args.ssl_certfile)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v
 does not validate is HTTP 400 with OpenAI's error JSON whose ``param`` names the field (FastAPI's
 default would be 422). ``/openapi.json`` documents every status each route returns (200, 400, 404
 for an unknown model, 500 for a dead engine loop, 503 for overload) and the error schema.
+
+``--api-key`` (or ``VLLM_API_KEY``) guards ``/v1/*`` with a bearer key (auth.py); ``--ssl-keyfile``
+and ``--ssl-certfile`` make uvicorn serve HTTPS.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
 from minivllm.engine.async_llm import AsyncLLM
+from minivllm.entrypoints.openai.auth import api_keys_from, install_api_key, warn_if_open
 from minivllm.entrypoints.openai.errors import (error_response, generation_responses,
                                                 install_error_handlers, without_422)
 from minivllm.entrypoints.openai.metrics import render_metrics
@@ -34,7 +38,8 @@ from minivllm.threads import keep_off_openmp
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def build_app(async_llm: AsyncLLM, served_model_name: str) -> FastAPI:
+def build_app(async_llm: AsyncLLM, served_model_name: str,
+              api_keys: tuple[str, ...] = ()) -> FastAPI:
     app = FastAPI(title="minivllm OpenAI-compatible server")
     serving = OpenAIServing(async_llm, served_model_name)
     app.state.async_llm = async_llm
@@ -70,6 +75,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str) -> FastAPI:
         return await serving.create_chat_completion(body, raw)
 
     without_422(app)
+    install_api_key(app, api_keys)          # /v1/* needs a key when one is set (auth.py)
     return app
 
 
@@ -81,6 +87,11 @@ def make_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key", nargs="+", default=None,
+                    help="/v1/* needs 'Authorization: Bearer KEY' (default: $VLLM_API_KEY, "
+                         "then $MINIVLLM_API_KEY; none: open)")
+    ap.add_argument("--ssl-keyfile", default=None, help="TLS: the server's private key (PEM)")
+    ap.add_argument("--ssl-certfile", default=None, help="TLS: the server's certificate (PEM)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -137,12 +148,18 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     import uvicorn
     args = make_arg_parser().parse_args(argv)
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        make_arg_parser().error("give both --ssl-keyfile and --ssl-certfile, or neither")
     if args.model_tag is not None:
         args.model = args.model_tag
     async_llm = build_async_llm(args)
     name = args.served_model_name or args.model
-    server = uvicorn.Server(uvicorn.Config(build_app(async_llm, name), host=args.host,
-                                           port=args.port, log_level=args.log_level))
+    keys = api_keys_from(args.api_key)
+    warn_if_open(args.host, keys)
+    server = uvicorn.Server(uvicorn.Config(build_app(async_llm, name, tuple(keys)), host=args.host,
+                                           port=args.port, log_level=args.log_level,
+                                           ssl_keyfile=args.ssl_keyfile,
+                                           ssl_certfile=args.ssl_certfile))
 
     def serve_http() -> None:
         keep_off_openmp()   # no OpenMP team beside the engine's (minivllm/threads.py)
@@ -159,8 +176,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         server.should_exit = True
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    print(f"minivllm serving {name} on http://{args.host}:{args.port} (pid {os.getpid()})",
-          flush=True)
+    scheme = "https" if args.ssl_certfile else "http"
+    print(f"minivllm serving {name} on {scheme}://{args.host}:{args.port} (pid {os.getpid()}, "
+          f"API key {'required' if keys else 'not required'})", flush=True)
     async_llm.run_engine_loop(started=http.start)
     # The loop ends when uvicorn has stopped, or when a step raised: then the server stays up,
     # answering /health with 503 and why, until it is stopped.

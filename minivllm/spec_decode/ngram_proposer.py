@@ -16,9 +16,11 @@ answer comes from numpy: for every end position e < total - 1, the length of the
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
+
+from minivllm.spec_decode.base_proposer import Proposer
 
 
 class NgramProposer:
@@ -79,3 +81,31 @@ class NgramProposer:
                 break
             match_len += still_matching
         return match_len
+
+
+class NgramDrafter(Proposer):
+    """The ``Proposer`` for ``method="ngram"``: ``NgramProposer`` on each request's row of
+    ``input_batch.token_ids_cpu`` (its context without this step's drafts)."""
+
+    def __init__(self, vllm_config: Any, device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        spec = vllm_config.speculative_config
+        self.proposer = NgramProposer(
+            spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens,
+            max_model_len=vllm_config.model_config.max_model_len, match=spec.ngram_match)
+
+    def load_model(self, target_model: Any) -> None:
+        self.proposer.load_model(target_model)
+
+    def propose_for_batch(self, runner: Any, limits: dict[str, int], so: Any) -> dict[str, list[int]]:
+        batch = runner.input_batch
+        drafts = {}
+        for req_id, limit in limits.items():
+            if limit <= 0:
+                continue
+            row = batch.req_id_to_index[req_id]
+            context = batch.token_ids_cpu[row, :batch.num_tokens_no_spec[row]]
+            proposal = self.proposer.propose(context)[:limit]
+            if len(proposal):
+                drafts[req_id] = [int(t) for t in proposal]
+        return drafts

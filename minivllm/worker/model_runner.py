@@ -36,13 +36,13 @@ from minivllm.forward_context import set_forward_context
 from minivllm.model_executor.model_loader import load_model
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.sampler import Sampler
-from minivllm.spec_decode.metadata import SpecDecodeMetadata
 from minivllm.steps import BREAKS, at_step
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
 from minivllm.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
 if TYPE_CHECKING:   # loaded with spec decode only
     from minivllm.sample.rejection_sampler import RejectionSampler
+    from minivllm.spec_decode.metadata import SpecDecodeMetadata
     from minivllm.spec_decode.utils import TargetStepOutputs
 
 
@@ -244,6 +244,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
 
         Request i's sampled rows are the last ``num_draft_tokens[i] + 1`` of its scheduled range;
         the target distribution for draft j is the logit one position *before* the draft itself."""
+        from minivllm.spec_decode.metadata import SpecDecodeMetadata
         num_sampled = num_draft_tokens + 1
         cu_num_sampled = np.cumsum(num_sampled)
         first_sampled = cu_num_sampled - num_sampled

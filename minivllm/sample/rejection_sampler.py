@@ -30,7 +30,7 @@ vectorisation 110-150 us.
 from __future__ import annotations
 
 import itertools
-from typing import Optional
+from typing import Optional, TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -39,8 +39,10 @@ from minivllm import trace
 from minivllm.sample.logits_processor import apply_min_tokens
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.sampler import apply_temperature, apply_top_k_top_p, exponential_noise
-from minivllm.spec_decode.metadata import SpecDecodeMetadata
 from minivllm.steps import BREAKS, at_step
+
+if TYPE_CHECKING:   # spec_decode sits above sampling (its drafters sample); only the annotation
+    from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
 PLACEHOLDER_TOKEN_ID = -1
 GREEDY_TEMPERATURE = 0.0

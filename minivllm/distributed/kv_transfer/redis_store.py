@@ -34,13 +34,28 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _DEL_IF_EQUAL = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
-def connect(url: str, timeout_s: float) -> Any:
-    """A redis-py client with bounded waits and no silent retries (a failure shows at once)."""
+def connect(url: str, timeout_s: float, password: Optional[str] = None) -> Any:
+    """A redis-py client with bounded waits and no silent retries (a failure shows at once).
+    ``password``: for a URL without one (a password in the URL wins, as in redis-py)."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
+    extra = {"password": password} if password else {}
     return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                retry=Retry(NoBackoff(), 0))
+                                retry=Retry(NoBackoff(), 0), **extra)
+
+
+def redacted(url: str) -> str:
+    """``url`` fit for a log line or an error: its password (and ``?password=``) as ``***``."""
+    import urllib.parse
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        user = parts.username or ""
+        netloc = f"{user}:***@" + netloc.rsplit("@", 1)[1]
+    query = "&".join("password=***" if q.split("=", 1)[0] == "password" else q
+                     for q in parts.query.split("&")) if parts.query else ""
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
 
 
 def redis_errors() -> tuple[type[BaseException], ...]:

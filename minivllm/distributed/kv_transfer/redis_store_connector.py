@@ -18,7 +18,10 @@ Key layout, checks and the client: ``redis_store.py``. Scheduler side here, work
 process starts and owns a server, ``minivllm.kvstore.owned_server``), ``load_async`` (True),
 ``chunk_size`` (256 tokens, rounded down to a multiple of the block size), ``timeout_s`` (5.0, every
 Redis call), ``on_unavailable`` (``"error"``: an unreachable server at start is an error;
-``"recompute"``: a warning, then plain recompute). A server that fails mid-run is never fatal:
+``"recompute"``: a warning, then plain recompute), ``password`` / ``password_file`` (for a URL
+without one; ``python -m minivllm.kvstore --password-file``). A password the store refuses (wrong,
+or missing) is an error at start whatever ``on_unavailable`` says, naming the store, never the
+password: URLs in messages are ``redis_store.redacted``. A server that fails mid-run is never fatal:
 lookups miss, loads report their blocks invalid (recomputed), stores are dropped with a warning,
 and Redis is left alone for ``retry_s`` seconds before the next try.
 """
@@ -32,19 +35,30 @@ from typing import Any, Optional
 from minivllm.distributed.kv_transfer import redis_store, storage
 from minivllm.distributed.kv_transfer.base import (KVConnectorBase_V1, KVConnectorRole,
                                                    checked_extra_config)
-from minivllm.distributed.kv_transfer.redis_store import Chunk, connect, redis_errors
+from minivllm.distributed.kv_transfer.redis_store import Chunk, connect, redacted, redis_errors
 from minivllm.distributed.kv_transfer.redis_store_metadata import (RedisReqMeta,
                                                                    RedisStoreConnectorMetadata)
 from minivllm.distributed.kv_transfer.redis_store_worker import RedisStoreWorkerMixin
 from minivllm.distributed.kv_transfer.storage import align_to_block_size
 
 logger = logging.getLogger(__name__)
-EXTRA_CONFIG_KEYS = ("url", "load_async", "chunk_size", "timeout_s", "on_unavailable", "retry_s")
+EXTRA_CONFIG_KEYS = ("url", "load_async", "chunk_size", "timeout_s", "on_unavailable", "retry_s",
+                     "password", "password_file")
 URL_SCHEMES = ("redis://", "rediss://", "unix://")
 STATS = ("num_lookups", "num_lookup_hits", "num_matched_tokens", "num_redis_errors",
          "num_loaded_tokens", "num_loaded_bytes", "load_time_s", "num_load_errors",
          "num_stored_tokens", "num_stored_bytes", "save_time_s", "num_chunks_committed",
          "num_store_races_lost", "num_store_errors")
+
+
+def _password(extra: dict) -> Optional[str]:
+    """``password``, else the first line of ``password_file`` (None: the URL's, or none)."""
+    if extra.get("password"):
+        return extra["password"]
+    if extra.get("password_file"):
+        from minivllm.kvstore import read_password_file
+        return read_password_file(extra["password_file"])
+    return None
 
 
 class RedisStoreConnector(RedisStoreWorkerMixin, KVConnectorBase_V1):
@@ -64,7 +78,8 @@ class RedisStoreConnector(RedisStoreWorkerMixin, KVConnectorBase_V1):
             from minivllm.kvstore import owned_server
             url = owned_server().url
         self.url = url
-        self._client = connect(url, self._timeout_s)
+        self._client = connect(url, self._timeout_s,
+                               _password(ktc.kv_connector_extra_config))
         self._down_until = 0.0
         self._layout = storage.expected_layout(vllm_config)
         self._fp = redis_store.store_fingerprint(storage.model_fingerprint(vllm_config), self._layout, bs)
@@ -95,11 +110,20 @@ class RedisStoreConnector(RedisStoreWorkerMixin, KVConnectorBase_V1):
         mode = extra.get("on_unavailable", "error")
         if mode not in ("error", "recompute"):
             raise ValueError(f"{name}['on_unavailable'] must be 'error' or 'recompute', got {mode!r}.")
+        for key in ("password", "password_file"):
+            if not isinstance(extra.get(key, ""), str):
+                raise ValueError(f"{name}['{key}'] must be a string.")
         if url is not None:    # before any weights load: is the service there?
+            import redis
             try:
-                connect(url, float(extra.get("timeout_s", 5.0))).ping()
+                connect(url, float(extra.get("timeout_s", 5.0)), _password(extra)).ping()
+            except redis.AuthenticationError as e:    # never downgraded to recompute
+                raise PermissionError(
+                    f"RedisStoreConnector: the KV store at {redacted(url)} refused this client "
+                    f"({e}): give its password in the URL (redis://:PASSWORD@HOST:PORT/0) or in "
+                    f"{name}['password_file'].") from None
             except redis_errors() as e:
-                msg = f"{name}['url'] = {url!r}: the Redis server is unreachable ({e})"
+                msg = f"{name}['url'] = {redacted(url)!r}: the Redis server is unreachable ({e})"
                 if mode == "error":
                     raise ConnectionError(msg + "; start one with `python -m minivllm.kvstore`, or set "
                                           "on_unavailable='recompute' to run without it.") from None
@@ -107,6 +131,9 @@ class RedisStoreConnector(RedisStoreWorkerMixin, KVConnectorBase_V1):
                 warnings.warn(msg + "; recomputing (on_unavailable='recompute').", RuntimeWarning)
 
     # ------------------------------------------------------------------ helpers
+    def __repr__(self) -> str:
+        return f"RedisStoreConnector(url={redacted(self.url)!r})"
+
     def _warn(self, msg: str) -> None:
         logger.warning(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=3)

@@ -79,3 +79,26 @@ def test_results_sections_are_replaced_alone(tmp_path):
     assert "| prompt tokens | ratio |\n| --- | --- |\n| 256 | 0.17x |" in text
     assert "```\nnote: one run\n```" in text and "[1/2]" not in text
     assert "new table" in text                      # the other sections are untouched
+
+
+LAYOUT_ENTRY = re.compile(r"`([\w/]+\.py)` (\d+)")
+
+
+def layout_rows() -> list[tuple[str, int]]:
+    """The README's reading order: ``(path under minivllm/, line count)`` per core file."""
+    section = README[README.index("## Layout"):]
+    return [(path, int(n)) for path, n in LAYOUT_ENTRY.findall(section)]
+
+
+def test_readme_layout_lists_current_files_and_line_counts():
+    rows = layout_rows()
+    assert len(rows) >= 20, rows
+    stale = []
+    for path, n in rows:
+        full = os.path.join(REPO, "minivllm", path)
+        assert os.path.isfile(full), f"README Layout lists {path}, which does not exist"
+        with open(full) as fh:
+            actual = sum(1 for _ in fh)
+        if actual != n:
+            stale.append(f"`{path}` {n} -> {actual}")
+    assert not stale, "README Layout: update the line counts: " + ", ".join(stale)

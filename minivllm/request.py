@@ -78,6 +78,9 @@ class Request:
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Set each step by the scheduler: the step computes only part of the prompt, samples
+        # nothing, so no drafts are kept for it (vLLM's is_prefill_chunk).
+        self.is_prefill_chunk = False
         # Local prefix-cache hit + externally loaded tokens, fixed when first scheduled.
         self.num_cached_tokens = -1
         self.num_external_computed_tokens = 0

@@ -23,6 +23,7 @@ def run_prefill(mgr, req, **kwargs):
     hit_blocks, num_hit = mgr.get_computed_blocks(req)
     new_blocks = mgr.allocate_slots(req, req.num_tokens - num_hit, num_hit, hit_blocks, **kwargs)
     assert new_blocks is not None
+    mgr.record_prefix_cache_stats(req, num_hit)   # once admitted, as the scheduler does
     req.num_computed_tokens = req.num_tokens
     return num_hit, new_blocks
 
@@ -40,10 +41,12 @@ def test_prefix_hit_on_repeated_prompt_and_last_token_recomputed():
     b = make_request("b", list(range(10)))
     blocks, num_hit = mgr.get_computed_blocks(b)
     assert num_hit == 8 and blocks.get_block_ids() == ([1, 2],)
+    mgr.record_prefix_cache_stats(b, num_hit)
     # A prompt that is an exact multiple of the block size: the last block is recomputed.
     c = make_request("c", list(range(8)))
     blocks, num_hit = mgr.get_computed_blocks(c)
     assert num_hit == 8 - BS and blocks.get_block_ids() == ([1],)
+    mgr.record_prefix_cache_stats(c, num_hit)
     stats = mgr.make_prefix_cache_stats()
     assert (stats.requests, stats.queries, stats.hits) == (3, 10 + 10 + 8, 0 + 8 + 4)
     assert mgr.prefix_cache_stats.queries == 0
@@ -116,7 +119,8 @@ def test_allocate_slots_returns_only_new_blocks_after_prefix_hit():
     assert mgr.get_num_common_prefix_blocks("a", 3) == [0]
     mgr.free(a)
     assert [blk.ref_cnt for blk in mgr.get_blocks("b").blocks[0]] == [1, 1, 1]
-    assert free_ids(mgr)[-1] == 3  # only a's private block went back
+    # Only a's private block went back, to the head: it holds no full block, so no prefix to keep.
+    assert free_ids(mgr)[0] == 3 and 3 not in free_ids(mgr)[1:]
     mgr.free(b)
     assert mgr.block_pool.get_num_free_blocks() == 15
 

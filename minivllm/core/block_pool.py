@@ -101,16 +101,22 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference on each block; those reaching 0 go to the tail, in the order given.
+        """Drop one reference on each block; those reaching 0 rejoin the free queue, in the order given
+        (the first is evicted first). A block with no full hash can never be a prefix hit, so it goes to
+        the head, reused before any cached block; a cached one goes to the tail (LRU), as vLLM does.
 
         Callers pass a request's blocks in reverse, so its tail blocks (the least shareable) are evicted
         before its prefix blocks.
         """
-        blocks_list = list(ordered_blocks)
-        for block in blocks_list:
+        evict_first: list[KVCacheBlock] = []
+        evict_last: list[KVCacheBlock] = []
+        for block in ordered_blocks:
             block.ref_cnt -= 1
-        self.free_block_queue.append_n(
-            [block for block in blocks_list if block.ref_cnt == 0 and not block.is_null])
+            if block.ref_cnt == 0 and not block.is_null:
+                cached = self.enable_caching and block.block_hash is not None
+                (evict_last if cached else evict_first).append(block)
+        self.free_block_queue.prepend_n(evict_first)
+        self.free_block_queue.append_n(evict_last)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed when no request holds a block (only the null block

@@ -81,8 +81,15 @@ class KVCacheManager:
         computed_blocks = self.find_longest_cache_hit(
             request.block_hashes, request.all_token_ids, max_cache_hit_length)
         num_new_computed_tokens = len(computed_blocks) * self.block_size
-        self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_new_computed_tokens)
         return self.create_kv_cache_blocks(computed_blocks), num_new_computed_tokens
+
+    def record_prefix_cache_stats(self, request: "Request", num_hits: int) -> None:
+        """Count one lookup in the prefix-cache stats. The scheduler calls it once a looked-up
+        request is admitted, as vLLM does: a request looked up again and again while it waits
+        (no room, or the connector asks to be asked later) counts once."""
+        if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
+            return
+        self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_hits)
 
     def find_longest_cache_hit(self, block_hashes: list[BlockHash], token_ids: list[int],
                                max_length: int) -> list[KVCacheBlock]:

@@ -50,10 +50,11 @@ def hash_block_tokens(
 
 def generate_block_hash_extra_keys(request: "Request", start_token_idx: int) -> Optional[tuple[Any, ...]]:
     """Extra keys of one block. minivllm has no multimodal inputs or LoRA; ``cache_salt`` (if a request
-    carries one) goes into the first block only, which is enough to separate the whole chain."""
+    carries one) goes into the first block only, which is enough to separate the whole chain. Tagged
+    as vLLM tags it, ``("cache_salt", salt)``, so that it cannot collide with another kind of key."""
     cache_salt = getattr(request, "cache_salt", None)
     if start_token_idx == 0 and cache_salt:
-        return (cache_salt,)
+        return (("cache_salt", cache_salt),)
     return None
 
 
@@ -85,7 +86,9 @@ def get_request_block_hasher(block_size: int) -> Callable[["Request"], list[Bloc
     return request_block_hasher
 
 
-@dataclass(eq=False)  # identity equality: field-wise == would walk the whole free list
+# Identity equality: field-wise == would walk the whole free list. Slots: one object per block of
+# the pool, so no per-block __dict__ (as vLLM's KVCacheBlock).
+@dataclass(eq=False, slots=True)
 class KVCacheBlock:
     block_id: int
     # Number of requests holding this block; 0 means it sits in the free queue (possibly still cached).
@@ -177,6 +180,17 @@ class FreeKVCacheBlockQueue:
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
         for block in blocks:
             self.append(block)
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the front, in their order (``blocks[0]`` is popped first)."""
+        for block in reversed(blocks):
+            first_block = self.fake_free_list_head.next_free_block
+            assert first_block is not None
+            self.fake_free_list_head.next_free_block = block
+            block.prev_free_block = self.fake_free_list_head
+            block.next_free_block = first_block
+            first_block.prev_free_block = block
+            self.num_free_blocks += 1
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         ret = []

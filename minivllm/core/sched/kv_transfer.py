@@ -1,14 +1,14 @@
 """The scheduler's KV-transfer bookkeeping, mirroring the parts of vllm/v1/core/sched/scheduler.py
 that only a KV connector exercises: the asynchronous-load path of the waiting loop (parking a
 request whose load is asynchronous in ``WAITING_FOR_REMOTE_KVS``, ``_start_async_load``; taking it
-up again once the load landed, ``_get_remote_kv_computed_tokens`` and
+up again from ``kv_holding_waiting`` once the load landed, ``schedule_kv_holding`` and
 ``_update_waiting_for_remote_kv``), failed loads (``_handle_invalid_blocks``), the worker's finished
 transfers (``_update_from_kv_xfer_finished``), and the delayed free of finished requests whose
 blocks a transfer still uses (``_delay_or_free``). A mixin of ``Scheduler``, kept apart so that the
 scheduling loops read in one sitting, the synchronous path straight through; it uses the
-scheduler's ``requests``, ``running``, ``kv_cache_manager``, ``connector``,
-``waiting_for_remote_kvs``, ``finished_recving_kv_req_ids``, ``delayed_free``,
-``_get_computed_tokens`` and ``_allocate_and_update_state``.
+scheduler's ``requests``, ``running``, ``waiting``, ``kv_holding_waiting``, ``kv_cache_manager``,
+``connector``, ``waiting_for_remote_kvs``, ``finished_recving_kv_req_ids``, ``delayed_free``,
+``_allocate_and_update_state`` and ``_add_to_running``.
 
 Delayed free (vLLM's ``_free_request`` / ``_update_from_kv_xfer_finished``): a finished request
 leaves ``running`` / ``waiting`` at once, but its blocks and its ``requests`` entry stay while
@@ -22,10 +22,11 @@ blocks, ``"delayed_free_done"`` (req_id, reason, block_ids) when they are freed 
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections import deque
+from typing import Any
 
 from minivllm import trace
-from minivllm.core.sched.utils import ComputedTokens
+from minivllm.core.sched.utils import ComputedTokens, ScheduledRequests
 from minivllm.request import Request, RequestStatus
 from minivllm.steps import BREAKS, at_step
 
@@ -54,20 +55,44 @@ class KVTransferMixin:
         if BREAKS and at_step("pd.async_wait"): breakpoint()
         return True
 
-    def _get_remote_kv_computed_tokens(self, request: Request) -> Optional[ComputedTokens]:
-        """The waiting loop's cache lookup for a request whose asynchronous load was started:
-        None while the load runs; once the worker reported it, its loaded tokens are computed and
-        their blocks allocated, so nothing local or external is new (vLLM: "WAITING reqs have
+    def schedule_kv_holding(self, scheduled: ScheduledRequests) -> bool:
+        """vLLM 0.32's ``kv_holding_waiting`` queue, scanned before ``waiting``: the requests whose
+        asynchronous load was started. One still loading is skipped (the scan goes on); once the
+        worker reported its load, its loaded tokens are computed and their blocks allocated, so it
+        needs no lookup, only slots for the rest of its prompt (vLLM: "WAITING reqs have
         num_computed_tokens > 0 after async KV recvs are completed"). A load whose first block
-        failed starts over, with the lookup."""
-        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            if not self._update_waiting_for_remote_kv(request):
-                return None
-            request.status = (RequestStatus.PREEMPTED if request.num_preemptions
-                              else RequestStatus.WAITING)
+        failed starts over in ``waiting``, lookup included. Returns False when a request found no
+        room: then no waiting request is scheduled this step either, as in vLLM."""
+        skipped: deque[Request] = deque()
+        fits = True
+        while (self.kv_holding_waiting and scheduled.token_budget > 0
+               and len(self.running) < self.max_num_running_reqs):
+            request = self.kv_holding_waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if not self._update_waiting_for_remote_kv(request):
+                    skipped.append(self.kv_holding_waiting.popleft())
+                    continue
+                request.status = (RequestStatus.PREEMPTED if request.num_preemptions
+                                  else RequestStatus.WAITING)
             if request.num_computed_tokens == 0:
-                return self._get_computed_tokens(request)
-        return ComputedTokens(None, 0, 0, request.num_computed_tokens, False)
+                self.waiting.appendleft(self.kv_holding_waiting.popleft())
+                continue
+            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            if 0 < self.long_prefill_token_threshold < num_new_tokens:
+                num_new_tokens = self.long_prefill_token_threshold
+            if not self.enable_chunked_prefill and num_new_tokens > scheduled.token_budget:
+                fits = False
+                break
+            num_new_tokens = min(num_new_tokens, scheduled.token_budget)
+            if self._allocate_and_update_state(request, num_new_tokens, 0, None, 0,
+                                               self.num_lookahead_tokens) is None:
+                fits = False
+                break
+            self.kv_holding_waiting.popleft()
+            self._add_to_running(request, scheduled, num_new_tokens,
+                                 ComputedTokens(None, 0, 0, request.num_computed_tokens, False))
+        self.kv_holding_waiting.extendleft(reversed(skipped))
+        return fits
 
     # ------------------------------------------------------------------ failed loads, transfers
     def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:

@@ -13,8 +13,8 @@ vLLM's sections in order, each a function here, sharing what it builds in ``Sche
 - ``_make_scheduler_output``: the ``SchedulerOutput``, with P/D "build metadata object"
   (``build_connector_meta``).
 An asynchronous load takes its own path, in kv_transfer.py with the other KV-transfer bookkeeping:
-its request waits in ``WAITING_FOR_REMOTE_KVS`` (blocks allocated) until the worker reports it in
-``finished_recving``.
+its request waits in ``WAITING_FOR_REMOTE_KVS`` in ``kv_holding_waiting`` (vLLM 0.32's queue,
+scanned first: ``schedule_kv_holding``) until the worker reports it in ``finished_recving``.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from minivllm.core.kv_cache_utils import KVCacheBlocks, get_request_block_hasher
 from minivllm.core.sched.kv_transfer import KVTransferMixin
 from minivllm.core.sched.output import NewRequestData, SchedulerOutput
 from minivllm.core.sched.utils import (ComputedTokens, ScheduledRequests, check_stop,
-                                       make_cached_request_data, record_schedule)
+                                       make_cached_request_data, record_schedule,
+                                       schedule_spec_tokens)
 from minivllm.request import Request, RequestStatus
 from minivllm.spec_decode.metrics import SpecDecodingStats
 from minivllm.steps import BREAKS, at_step
@@ -41,7 +42,6 @@ class Scheduler(KVTransferMixin):
         sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
         self.max_num_running_reqs = sched.max_num_seqs
         self.max_num_scheduled_tokens = sched.max_num_batched_tokens
-        self.long_prefill_token_threshold = sched.long_prefill_token_threshold
         self.enable_chunked_prefill = sched.enable_chunked_prefill
         self.max_model_len = vllm_config.model_config.max_model_len
         self.block_size = cache.block_size
@@ -49,6 +49,8 @@ class Scheduler(KVTransferMixin):
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
+        # Waiting requests that hold KV blocks: their asynchronous load was started (kv_transfer.py).
+        self.kv_holding_waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Sent to the worker in the *next* SchedulerOutput, then replaced by a new set.
         self.finished_req_ids: set[str] = set()
@@ -92,15 +94,21 @@ class Scheduler(KVTransferMixin):
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue
-            if request in self.running:
-                self.running.remove(request)
-            elif request in self.waiting:
-                self.waiting.remove(request)
+            for queue in (self.running, self.waiting, self.kv_holding_waiting):
+                if request in queue:
+                    queue.remove(request)
             request.status = finished_status
             self._free_request(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.kv_holding_waiting)
+
+    @property
+    def long_prefill_token_threshold(self) -> int:
+        """The cap on a step's prefill chunk, so that a long prompt cannot starve the others; lifted
+        when there are no others (vLLM 0.32). Constant during ``schedule()``, which drops no request."""
+        num_reqs = len(self.running) + len(self.waiting) + len(self.kv_holding_waiting)
+        return self.vllm_config.scheduler_config.long_prefill_token_threshold if num_reqs > 1 else 0
 
     def has_finished_requests(self) -> bool:
         """vLLM's ``has_finished_requests``: finished ids the worker has not been told yet, or
@@ -108,17 +116,18 @@ class Scheduler(KVTransferMixin):
         an asynchronous load). The engine keeps stepping for them (``has_requests``)."""
         if self.finished_req_ids:
             return True
-        return len(self.requests) > len(self.running) + len(self.waiting)
+        queued = len(self.running) + len(self.waiting) + len(self.kv_holding_waiting)
+        return len(self.requests) > queued
 
     def has_requests(self) -> bool:
         return self.has_unfinished_requests() or self.has_finished_requests()
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
-        """One step's schedule, in vLLM's order: the running requests, then the waiting ones (only
-        if nothing had to be preempted), then the output the workers get."""
+        """One step's schedule, in vLLM's order: the running requests, then the waiting ones (if
+        nothing was preempted; those holding KV blocks first), then the output the workers get."""
         scheduled = self.schedule_running(self.max_num_scheduled_tokens)
-        if not scheduled.preempted_reqs:
+        if not scheduled.preempted_reqs and self.schedule_kv_holding(scheduled):
             self.schedule_waiting(scheduled)
         scheduler_output = self._make_scheduler_output(scheduled)
         self._update_after_schedule(scheduler_output)
@@ -169,22 +178,10 @@ class Scheduler(KVTransferMixin):
             token_budget -= num_new_tokens
             req_index += 1
             if request.spec_token_ids:
-                self._schedule_spec_tokens(request, num_new_tokens, scheduled_spec_decode_tokens)
+                schedule_spec_tokens(request, num_new_tokens, scheduled_spec_decode_tokens)
         return ScheduledRequests(token_budget, scheduled_running_reqs, preempted_reqs,
                                  req_to_new_blocks, num_scheduled_tokens,
                                  scheduled_spec_decode_tokens)
-
-    def _schedule_spec_tokens(self, request: Request, num_new_tokens: int,
-                              scheduled_spec_decode_tokens: dict[str, list[int]]) -> None:
-        """The drafts that fit in ``num_new_tokens`` go to the workers (the budget or max_model_len
-        may have cut some); ``request.spec_token_ids`` is emptied, fresh drafts arrive through
-        ``update_draft_token_ids()`` after this step (vLLM's "Speculative decode related" lines)."""
-        num_scheduled_spec_tokens = (num_new_tokens + request.num_computed_tokens
-                                     - request.num_tokens)
-        if num_scheduled_spec_tokens > 0:
-            scheduled_spec_decode_tokens[request.request_id] = (
-                request.spec_token_ids[:num_scheduled_spec_tokens])
-        request.spec_token_ids = []
 
     def schedule_waiting(self, scheduled: ScheduledRequests) -> None:
         """Next, the WAITING requests (vLLM's second loop), while the budget and ``max_num_seqs``
@@ -192,18 +189,14 @@ class Scheduler(KVTransferMixin):
         and P/D "state update" (``_allocate_and_update_state``), then the request runs.
 
         A request that cannot start now moves behind the others (``skipped_waiting_requests``):
-        the connector asks to be asked again later, or its KV loads asynchronously (kv_transfer.py:
-        ``_get_remote_kv_computed_tokens``, ``_start_async_load``). The first one that finds no
-        room ends the loop and stays at the head of ``waiting``."""
+        the connector asks to be asked again later. One whose KV loads asynchronously moves to
+        ``kv_holding_waiting`` (kv_transfer.py: ``_start_async_load``). The first one that finds
+        no room ends the loop and stays at the head of ``waiting``."""
         skipped_waiting_requests: deque[Request] = deque()
         while (self.waiting and scheduled.token_budget > 0
                and len(self.running) < self.max_num_running_reqs):
             request = self.waiting[0]
-            # A request whose asynchronous load was started looks up its loaded tokens instead.
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS or request.num_computed_tokens:
-                computed_tokens = self._get_remote_kv_computed_tokens(request)
-            else:
-                computed_tokens = self._get_computed_tokens(request)
+            computed_tokens = self._get_computed_tokens(request)
             if computed_tokens is None:
                 skipped_waiting_requests.append(self.waiting.popleft())
                 continue
@@ -212,7 +205,7 @@ class Scheduler(KVTransferMixin):
             if load_kv_async:   # load first, compute later (kv_transfer.py)
                 if not self._start_async_load(request, computed_tokens):
                     break
-                skipped_waiting_requests.append(self.waiting.popleft())
+                self.kv_holding_waiting.append(self.waiting.popleft())
                 continue
             num_new_tokens = request.num_tokens - num_computed_tokens
             if 0 < self.long_prefill_token_threshold < num_new_tokens:
@@ -261,6 +254,8 @@ class Scheduler(KVTransferMixin):
             request, num_new_tokens + num_external_computed_tokens,
             num_new_local_computed_tokens, new_computed_blocks,
             num_lookahead_tokens=num_lookahead_tokens, delay_cache_blocks=delay_cache_blocks)
+        if new_blocks is not None and new_computed_blocks is not None:   # admitted after a lookup
+            self.kv_cache_manager.record_prefix_cache_stats(request, num_new_local_computed_tokens)
         if new_blocks is not None and self.connector is not None:
             self.connector.update_state_after_alloc(
                 request, self.kv_cache_manager.get_blocks(request.request_id),
@@ -330,7 +325,9 @@ class Scheduler(KVTransferMixin):
         # num_computed_tokens is optimistic: advanced *before* the model runs; rejected drafts are
         # subtracted again in update_from_output.
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
         self.finished_req_ids = set()
 
     def _preempt_request(self, request: Request) -> None:
@@ -366,7 +363,7 @@ class Scheduler(KVTransferMixin):
                 continue
             generated = sampled[model_runner_output.req_id_to_index[req_id]]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-            if drafts:
+            if drafts and generated:   # no output (e.g. a failed load): nothing was verified
                 num_accepted = len(generated) - 1
                 num_rejected = len(drafts) - num_accepted
                 if request.num_computed_tokens > 0:
@@ -400,6 +397,9 @@ class Scheduler(KVTransferMixin):
         for req_id, drafts in draft_token_ids.items():
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
+                continue
+            if request.is_prefill_chunk:   # a partial prefill sampled nothing to draft from
+                request.spec_token_ids = []
                 continue
             request.spec_token_ids = list(drafts)
             if BREAKS and at_step("spec.3", drafts): breakpoint()

@@ -1,6 +1,7 @@
 """Stop checks, mirroring vllm/v1/core/sched/utils.py ``check_stop``; and what one
 ``Scheduler.schedule()`` call builds on its way to the ``SchedulerOutput`` (``ScheduledRequests``,
-``make_cached_request_data``), with its step records (``record_schedule``)."""
+``schedule_spec_tokens``, ``make_cached_request_data``), with its step records
+(``record_schedule``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -54,6 +55,19 @@ def make_cached_request_data(running_reqs: list[Request], resumed_reqs: list[Req
         data.num_computed_tokens.append(req.num_computed_tokens)
         data.num_output_tokens.append(req.num_output_tokens)
     return data
+
+
+def schedule_spec_tokens(request: Request, num_new_tokens: int,
+                         scheduled_spec_decode_tokens: dict[str, list[int]]) -> None:
+    """The drafts that fit in ``num_new_tokens`` go to the workers (the budget or max_model_len
+    may have cut some); ``request.spec_token_ids`` is emptied, fresh drafts arrive through
+    ``update_draft_token_ids()`` after this step (vLLM's "Speculative decode related" lines)."""
+    num_scheduled_spec_tokens = (num_new_tokens + request.num_computed_tokens
+                                 - request.num_tokens)
+    if num_scheduled_spec_tokens > 0:
+        scheduled_spec_decode_tokens[request.request_id] = (
+            request.spec_token_ids[:num_scheduled_spec_tokens])
+    request.spec_token_ids = []
 
 
 def check_stop(request: Request, max_model_len: int,

@@ -12,7 +12,9 @@ Messages (multipart; the first frame is a JSON header, a reply to ``read`` carri
   engine, unknown / expired / freed request, blocks it does not hold);
 - ``done {req_id}`` (D read everything, or gave up) -> P reports ``finished_sending`` next step.
 A lease that passes without ``done`` frees the blocks too (logged with the request id). There is
-no heartbeat: a slow reader's lease is not extended.
+no heartbeat: a slow reader's lease is not extended. With CURVE configured
+(``zmq_pull_curve.py``) the channel is encrypted and P answers only the decode instances whose
+public keys it allows.
 
 Paged cache per layer ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V). P's
 held blocks are never written while held (the scheduler does not hand them out), and D writes only
@@ -31,6 +33,7 @@ from typing import Any, Optional
 import torch
 
 from minivllm.distributed.kv_transfer.base import KVConnectorRole
+from minivllm.distributed.kv_transfer.zmq_pull_curve import CurveSecurity
 from minivllm.distributed.kv_transfer.zmq_pull_metadata import RecvReqMeta
 from minivllm.threads import keep_off_openmp
 
@@ -82,9 +85,16 @@ class ZmqPullWorkerMixin:
         self._handshakes: dict[str, dict] = {}
         self._stop = False
         self._listener: Optional[threading.Thread] = None
+        # CURVE (zmq_pull_curve.py): every socket of this instance's context is a CURVE client,
+        # and P's ROUTER a CURVE server that answers only allowed keys.
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self._curve = CurveSecurity.from_extra_config(extra, self._is_producer, self._is_consumer)
+        if self._curve is not None:
+            self._ctx = self._curve.client_ctx
         if self._is_producer and self.role is KVConnectorRole.WORKER:
             import zmq
-            self._server = self._ctx.socket(zmq.ROUTER)
+            self._server = (self._curve.server_socket() if self._curve is not None
+                            else self._ctx.socket(zmq.ROUTER))
             self._server.setsockopt(zmq.LINGER, 0)
             self._server.bind(f"tcp://{self._host}:{self._port}")
             self._listener = threading.Thread(target=self._serve, name="minivllm-kv-side-channel",
@@ -231,8 +241,10 @@ class ZmqPullWorkerMixin:
             self._num_in_flight -= 1
         self._pull_done.set()
         if error is not None and req.req_id not in self._cancelled:
-            self._warn(f"ZmqPullConnector: pulling {req.req_id} from {address} failed ({error}); "
-                       f"kv_load_failure_policy decides (recompute or error).")
+            hint = (" (with CURVE, P does not answer a key it does not allow)"
+                    if self._curve is not None and "did not answer" in str(error) else "")
+            self._warn(f"ZmqPullConnector: pulling {req.req_id} from {address} failed ({error})"
+                       f"{hint}; kv_load_failure_policy decides (recompute or error).")
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """D: hand this step's pulls to the pull threads and return at once (async loads)."""
@@ -298,3 +310,6 @@ class ZmqPullWorkerMixin:
         if self._pulls is not None:
             self._pulls.shutdown(wait=True)   # every pull is bounded by timeout_s per message
             self._pulls = None
+        if self._curve is not None:
+            self._curve.close()
+            self._curve = None

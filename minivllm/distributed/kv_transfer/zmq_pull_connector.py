@@ -9,7 +9,8 @@ The flow, with vLLM's names:
    When it finishes (``FINISHED_LENGTH_CAPPED`` or ``FINISHED_STOPPED``), ``request_finished``
    registers the blocks of its computed tokens with P's worker (a lease of ``kv_lease_duration``
    seconds) and returns ``(True, params)``: the scheduler keeps the blocks. ``params``:
-   ``do_remote_prefill=True``, ``do_remote_decode=False``, ``remote_block_ids``,
+   ``do_remote_prefill=True``, ``do_remote_decode=False``, ``remote_block_ids`` (one list per
+   KV-cache group, as vLLM: ``([3, 4, 5],)``; minivllm has one group),
    ``remote_engine_id``, ``remote_request_id``, ``remote_host``, ``remote_port``,
    ``remote_num_tokens``, ``remote_blocks_expiry_time`` (wall clock), ``tp_size=1``.
    Any other finish (an abort) frees the blocks at once.
@@ -28,7 +29,8 @@ A pull that fails (P gone, refused, timed out, mismatch) reports D's blocks inva
 advertises), ``side_channel_port`` (0: a free port, chosen when the config is validated),
 ``timeout_s`` (5.0, every side-channel message), ``num_pull_threads`` (2: concurrent pulls on D),
 ``kv_lease_duration`` (where vLLM reads it; overrides ``KVTransferConfig.kv_lease_duration``),
-``engine_id`` (default: a fresh id per instance).
+``engine_id`` (default: a fresh id per instance), and the ``curve_*`` keys of
+``zmq_pull_curve.py`` (CURVE: P serves only the decode instances whose public keys it allows).
 """
 from __future__ import annotations
 
@@ -43,16 +45,27 @@ from typing import Any, Optional
 from minivllm.distributed.kv_transfer import storage
 from minivllm.distributed.kv_transfer.base import (KVConnectorBase_V1, KVConnectorRole,
                                                    checked_extra_config)
+from minivllm.distributed.kv_transfer.zmq_pull_curve import CURVE_KEYS, validate_curve_config
 from minivllm.distributed.kv_transfer.zmq_pull_metadata import RecvReqMeta, ZmqPullConnectorMetadata
 from minivllm.distributed.kv_transfer.zmq_pull_worker import ZmqPullWorkerMixin, request
 
 logger = logging.getLogger(__name__)
 EXTRA_CONFIG_KEYS = ("side_channel_host", "side_channel_port", "timeout_s", "num_pull_threads",
-                     "engine_id", "kv_lease_duration")
+                     "engine_id", "kv_lease_duration") + CURVE_KEYS   # CURVE: zmq_pull_curve.py
 REMOTE_KEYS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
                "remote_port")
 STATS = ("num_held", "num_leases_expired", "num_pulls", "num_loaded_tokens", "num_loaded_bytes",
          "load_time_s", "num_load_errors")
+
+
+def remote_block_ids(params: dict[str, Any]) -> Optional[list[int]]:
+    """P's block ids in ``kv_transfer_params``. vLLM sends one list per KV-cache group (a tuple,
+    a list of lists once it went through JSON); a flat list of ids is read as the one group.
+    None when P has more than one group: minivllm's cache has one."""
+    ids = params["remote_block_ids"]
+    if ids and all(isinstance(group, (list, tuple)) for group in ids):
+        return list(ids[0]) if len(ids) == 1 else None
+    return list(ids)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -104,6 +117,7 @@ class ZmqPullConnector(ZmqPullWorkerMixin, KVConnectorBase_V1):
         n = extra.get("num_pull_threads", 2)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{name}['num_pull_threads'] must be an int >= 1, got {n!r}.")
+        validate_curve_config(extra, ktc.is_kv_producer, ktc.is_kv_consumer)
         if not port:   # chosen now, so that both halves of this instance bind / advertise it
             ktc.kv_connector_extra_config = extra = dict(extra)   # not the caller's dict
             extra["side_channel_port"] = free_port(extra.get("side_channel_host", "127.0.0.1"))
@@ -124,12 +138,17 @@ class ZmqPullConnector(ZmqPullWorkerMixin, KVConnectorBase_V1):
         if self._is_consumer and params.get("do_remote_prefill"):
             missing = [k for k in REMOTE_KEYS if k not in params]
             n = request_.num_prompt_tokens
+            remote = None if missing else remote_block_ids(params)
             if missing:
                 self._warn(f"ZmqPullConnector: {request_.request_id}: kv_transfer_params lack "
                            f"{missing}; recomputing the prompt.")
-            elif len(params["remote_block_ids"]) < -(-n // self._block_size):
+            elif remote is None:
+                self._warn(f"ZmqPullConnector: {request_.request_id}: P sends "
+                           f"{len(params['remote_block_ids'])} KV-cache groups, this cache has "
+                           f"one; recomputing the prompt.")
+            elif len(remote) < -(-n // self._block_size):
                 self._warn(f"ZmqPullConnector: {request_.request_id}: P holds "
-                           f"{len(params['remote_block_ids'])} blocks, the prompt needs "
+                           f"{len(remote)} blocks, the prompt needs "
                            f"{-(-n // self._block_size)}; recomputing the prompt.")
             elif n > num_computed_tokens:
                 self._local_hit[request_.request_id] = num_computed_tokens
@@ -147,7 +166,7 @@ class ZmqPullConnector(ZmqPullWorkerMixin, KVConnectorBase_V1):
         first, end = hit // self._block_size, -(-request_.num_prompt_tokens // self._block_size)
         local = blocks.get_block_ids()[0]
         meta = RecvReqMeta(request_.request_id, list(local[first:end]),
-                           list(params["remote_block_ids"][first:end]), params["remote_engine_id"],
+                           remote_block_ids(params)[first:end], params["remote_engine_id"],
                            params["remote_request_id"], params["remote_host"],
                            int(params["remote_port"]), num_external_tokens)
         self._reqs_to_recv[request_.request_id] = meta
@@ -191,7 +210,7 @@ class ZmqPullConnector(ZmqPullWorkerMixin, KVConnectorBase_V1):
             return False, None
         self._stats["num_held"] += 1
         out = {"do_remote_prefill": True, "do_remote_decode": False,
-               "remote_block_ids": list(block_ids), "remote_engine_id": self._engine_id,
+               "remote_block_ids": (list(block_ids),), "remote_engine_id": self._engine_id,
                "remote_request_id": req_id, "remote_host": self._host, "remote_port": self._port,
                "remote_num_tokens": request_.num_computed_tokens, "tp_size": 1,
                "remote_blocks_expiry_time": time.time() + self._lease_s}

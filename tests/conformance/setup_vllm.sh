@@ -20,6 +20,9 @@ READY="$VENV/.minivllm-vllm-ready"
 STAMP="$VERSION shim-2"   # bumped when this script changes what it makes
 start=$(date +%s)
 
+# vLLM's own unit tests (data, not code of ours): tests/conformance/vllm_tests/ runs them.
+bash "$ROOT/tests/conformance/fetch_vllm_tests.sh"
+
 if [ -f "$READY" ] && [ "$(cat "$READY")" = "$STAMP" ] && [ -x "$VENV/bin/vllm" ]; then
     echo "vLLM $VERSION venv already set up at $VENV (0 s)"
     exit 0

@@ -175,9 +175,10 @@ def test_pull_flow_and_two_decoders(peer, reference, tiny_llama_dir):
     d1, d2 = decoder(tiny_llama_dir), decoder(tiny_llama_dir)
     params = [peer.ask(op="prefill", id=f"flow{k}", prompt=PROMPTS[k])["params"] for k in range(3)]
     assert params[0]["do_remote_prefill"] and not params[0]["do_remote_decode"]
-    assert len(params[0]["remote_block_ids"]) == -(-len(PROMPTS[0]) // 4)
+    assert len(params[0]["remote_block_ids"]) == 1   # one list per KV-cache group, as vLLM
+    assert len(params[0]["remote_block_ids"][0]) == -(-len(PROMPTS[0]) // 4)
     held = peer.ask(op="state")
-    assert held["total"] - held["free"] == sum(len(p["remote_block_ids"]) for p in params)
+    assert held["total"] - held["free"] == sum(len(p["remote_block_ids"][0]) for p in params)
     out = decode([(d1, "a", PROMPTS[0], params[0])])
     assert out["a"].token_ids == reference[0]
     assert d_stats(d1)["num_loaded_tokens"] == len(PROMPTS[0]) and d_stats(d1)["num_load_errors"] == 0
@@ -212,7 +213,8 @@ def test_bad_reads_are_refused(peer, reference, tiny_llama_dir, policy):
     other = peer.ask(op="prefill", id=f"other-{policy}", prompt=PROMPTS[0])["params"]
     bad = [{**good, "remote_engine_id": "minivllm-someone-else"},       # another engine's
            {**good, "remote_request_id": "never-held"},                  # unknown request
-           {**good, "remote_block_ids": other["remote_block_ids"] + good["remote_block_ids"]}]
+           {**good, "remote_block_ids": [other["remote_block_ids"][0]
+                                          + good["remote_block_ids"][0]]}]
     out = decode([(d, f"x{i}", PROMPTS[1], p) for i, p in enumerate(bad)])
     for i in range(len(bad)):
         if policy == "fail":
@@ -267,7 +269,7 @@ def test_d_killed_mid_pull_p_frees_at_lease_expiry(peer):
     the blocks when the lease expires, and its pool is back to its free count."""
     params = peer.ask(op="prefill", id="dkill", prompt=PROMPTS[2])["params"]
     read = {"op": "read", "engine_id": params["remote_engine_id"], "req_id": "dkill",
-            "block_ids": params["remote_block_ids"], "layer": 0}
+            "block_ids": params["remote_block_ids"][0], "layer": 0}
     code = (f"import json, os, signal, zmq\n"
             f"s = zmq.Context().socket(zmq.REQ)\n"
             f"s.connect('tcp://{params['remote_host']}:{params['remote_port']}')\n"

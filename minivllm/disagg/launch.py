@@ -8,6 +8,18 @@ and the proxy on port P. It prints the URLs (and one JSON line with every PID), 
 instance answers ``/health``, and stops every child it started, by PID, on exit or Ctrl-C.
 
 ``start_cluster()`` / ``Cluster.stop()`` are the same thing as a Python API (the notebook uses it).
+
+Guards (see ``minivllm/entrypoints/openai/auth.py``, ``minivllm/kvstore.py``,
+``minivllm/distributed/kv_transfer/zmq_pull_curve.py``):
+- ``--api-key KEY`` (``auto``: a random one, printed once): every server and the proxy require it;
+  children get it in their environment (``VLLM_API_KEY``), never on a command line;
+- ``--secure``: ``--api-key auto`` unless a key is given, plus, in a private temporary folder
+  removed at exit, a password for the Redis store (``--password-file``; the instances read the
+  file) or CURVE keypairs for ``ZmqPullConnector`` (``python -m minivllm.disagg.keys``; P allows
+  exactly the cluster's decode instances). ``SharedStorageConnector``'s folder is private to the
+  user (mode 0700) and has no other guard;
+- ``--prefill-host`` / ``--decode-host``: the addresses the instances bind (and P's side channel),
+  e.g. 127.0.0.1 and 127.0.0.2 to rehearse two hosts on one machine.
 """
 from __future__ import annotations
 
@@ -30,9 +42,9 @@ DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 CONNECTORS = ("RedisStoreConnector", "SharedStorageConnector", "ExampleConnector", "ZmqPullConnector")
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -53,6 +65,8 @@ class Cluster:
     kv_store: str                                   # the Redis URL or the shared folder
     log_dir: str
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)   # name -> child
+    api_key: Optional[str] = field(default=None, repr=False)        # never in describe()
+    secrets_dir: Optional[str] = None                               # --secure: keys, password
     _owned_dirs: list[str] = field(default_factory=list)
 
     def pids(self) -> dict[str, int]:
@@ -61,7 +75,8 @@ class Cluster:
     def describe(self) -> dict:
         return {"proxy": self.proxy_url, "prefill": self.prefill_urls, "decode": self.decode_urls,
                 "kv_connector": self.kv_connector, "kv_store": self.kv_store,
-                "log_dir": self.log_dir, "pids": self.pids()}
+                "log_dir": self.log_dir, "pids": self.pids(), "secrets_dir": self.secrets_dir,
+                "api_key_required": self.api_key is not None}
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM every child by PID (the proxy first, the store last), then SIGKILL stragglers."""
@@ -88,15 +103,36 @@ def _spawn(cluster: Cluster, name: str, args: list[str], env: dict) -> subproces
     return p
 
 
-def _start_redis(cluster: Cluster, env: dict, timeout: float) -> str:
-    p = subprocess.Popen([sys.executable, "-m", "minivllm.kvstore", "--port", str(free_port())],
+def _start_redis(cluster: Cluster, env: dict, timeout: float,
+                 password_file: Optional[str] = None) -> str:
+    guard = ["--password-file", password_file, "--print-url-without-password"] if password_file else []
+    p = subprocess.Popen([sys.executable, "-m", "minivllm.kvstore", "--port", str(free_port()), *guard],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
                          start_new_session=True)
     cluster.procs["kvstore"] = p
     line = p.stdout.readline().strip()           # its first line is its URL (DESIGN.md 5.2)
     if not line.startswith(("redis://", "unix://")):
-        raise RuntimeError(f"python -m minivllm.kvstore did not print its URL: {line!r}")
+        raise RuntimeError("python -m minivllm.kvstore did not print its URL: "
+                           f"{line.split('@')[-1]!r}")   # (no credentials in the message)
     return line
+
+
+def _secure_files(cluster: Cluster, kv_connector: str, num_decode: int) -> dict:
+    """--secure: the cluster's secrets in a private folder; returns each role's extra config."""
+    import secrets as _secrets
+    d = cluster.secrets_dir = tempfile.mkdtemp(prefix="minivllm-secrets-")
+    cluster._owned_dirs.append(d)
+    out: dict = {}
+    if kv_connector == "RedisStoreConnector":
+        path = os.path.join(d, "kvstore.pass")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(_secrets.token_urlsafe(24) + "\n")
+        out["password_file"] = path
+    elif kv_connector == "ZmqPullConnector":
+        from minivllm.disagg.keys import make_keys
+        out["curve"] = make_keys(os.path.join(d, "curve"), num_decode)
+    return out
 
 
 def wait_healthy(cluster: Cluster, urls: list[str], timeout: float) -> None:
@@ -123,7 +159,12 @@ def wait_healthy(cluster: Cluster, urls: list[str], timeout: float) -> None:
 def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int] = None,
                   model: str = DEFAULT_MODEL, seed: int = 0, num_threads: Optional[int] = None,
                   kv_connector: str = "auto", server_args: Optional[list[str]] = None,
-                  log_dir: Optional[str] = None, startup_timeout: float = 300.0) -> Cluster:
+                  log_dir: Optional[str] = None, startup_timeout: float = 300.0,
+                  api_key: Optional[str] = None, secure: bool = False,
+                  prefill_host: str = "127.0.0.1", decode_host: str = "127.0.0.1",
+                  proxy_host: str = "127.0.0.1", kv_extra_config: Optional[dict] = None) -> Cluster:
+    """``api_key``: a key, or ``"auto"`` (a random one; ``Cluster.api_key``). ``secure``: see the
+    module docstring. ``kv_extra_config``: merged into every instance's extra config."""
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"--prefill and --decode must be >= 1, got {num_prefill}, {num_decode}.")
     if kv_connector == "auto":
@@ -133,15 +174,24 @@ def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int]
     total = num_threads or os.cpu_count() or 1
     per_instance = max(1, total // (num_prefill + num_decode))
     env = dict(os.environ, OMP_NUM_THREADS=str(per_instance))
+    if api_key == "auto" or (secure and api_key is None):
+        from minivllm.entrypoints.openai.auth import generate_api_key
+        api_key = generate_api_key()
+    if api_key:
+        env["VLLM_API_KEY"] = api_key       # the servers' and the proxy's (auth.api_keys_from)
     owned = []
     if log_dir is None:
         log_dir = tempfile.mkdtemp(prefix="minivllm-cluster-logs-")
-    cluster = Cluster(f"http://127.0.0.1:{port or free_port()}", [], [], kv_connector, "",
-                      log_dir, _owned_dirs=owned)
+    cluster = Cluster(f"http://{_netloc(proxy_host, port or free_port(proxy_host))}", [], [],
+                      kv_connector, "", log_dir, _owned_dirs=owned, api_key=api_key or None)
     try:
+        guard = _secure_files(cluster, kv_connector, num_decode) if secure else {}
         if kv_connector == "RedisStoreConnector":
-            cluster.kv_store = _start_redis(cluster, env, startup_timeout)
+            cluster.kv_store = _start_redis(cluster, env, startup_timeout,
+                                            guard.get("password_file"))
             extra = {"url": cluster.kv_store}
+            if "password_file" in guard:
+                extra["password_file"] = guard["password_file"]
         elif kv_connector == "ZmqPullConnector":
             cluster.kv_store = "none (D pulls from P's side channel)"
             extra = {}
@@ -149,6 +199,7 @@ def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int]
             cluster.kv_store = tempfile.mkdtemp(prefix="minivllm-kv-")
             owned.append(cluster.kv_store)
             extra = {"shared_storage_path": cluster.kv_store}
+        extra.update(kv_extra_config or {})
         common = ["minivllm.serve", "--model", model, "--seed", str(seed),
                   "--num-threads", str(per_instance), *(server_args or [])]
         for role, n, urls in (("prefill", num_prefill, cluster.prefill_urls),
@@ -157,14 +208,20 @@ def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int]
                 kv = {"kv_connector": kv_connector,
                       "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
                       "kv_connector_extra_config": dict(extra)}
+                host = prefill_host if role == "prefill" else decode_host
                 if kv_connector == "ZmqPullConnector" and role == "prefill":
-                    kv["kv_connector_extra_config"]["side_channel_port"] = free_port()
-                p = free_port()
-                urls.append(f"http://127.0.0.1:{p}")
-                _spawn(cluster, f"{role}{i}", [*common, "--port", str(p),
+                    kv["kv_connector_extra_config"].update(side_channel_host=host,
+                                                           side_channel_port=free_port(host))
+                if "curve" in guard:
+                    kv["kv_connector_extra_config"].update(
+                        guard["curve"]["prefill" if role == "prefill" else f"decode{i}"])
+                p = free_port(host)
+                urls.append(f"http://{_netloc(host, p)}")
+                _spawn(cluster, f"{role}{i}", [*common, "--host", host, "--port", str(p),
                                                "--kv-transfer-config", json.dumps(kv)], env)
         proxy_port = cluster.proxy_url.rsplit(":", 1)[1]
-        _spawn(cluster, "proxy", ["minivllm.disagg.proxy", "--port", proxy_port,
+        _spawn(cluster, "proxy", ["minivllm.disagg.proxy", "--host", proxy_host,
+                                  "--port", proxy_port,
                                   "--prefill", *cluster.prefill_urls,
                                   "--decode", *cluster.decode_urls], env)
         wait_healthy(cluster, cluster.prefill_urls + cluster.decode_urls + [cluster.proxy_url],
@@ -173,6 +230,10 @@ def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int]
         cluster.stop()
         raise
     return cluster
+
+
+def _netloc(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -190,6 +251,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--server-args", default="",
                     help="extra flags for every server, e.g. \"--max-model-len 2048\"")
+    ap.add_argument("--api-key", default=None,
+                    help="every server and the proxy require it; 'auto': a random key, printed once")
+    ap.add_argument("--secure", action="store_true",
+                    help="--api-key auto (unless given), a Redis password or CURVE keys, in a "
+                         "private temporary folder")
+    ap.add_argument("--host", default="127.0.0.1", help="the address the proxy binds")
+    ap.add_argument("--prefill-host", default="127.0.0.1",
+                    help="the address the prefill instances (and P's side channel) bind")
+    ap.add_argument("--decode-host", default="127.0.0.1",
+                    help="the address the decode instances bind")
+    ap.add_argument("--kv-extra-config", type=json.loads, default=None,
+                    help="JSON merged into every instance's kv_connector_extra_config, e.g. "
+                         "'{\"kv_lease_duration\": 10}'")
     args = ap.parse_args(argv)
     stop = {"now": False}
 
@@ -201,13 +275,20 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         cluster = start_cluster(args.prefill, args.decode, args.port, args.model, args.seed,
                                 args.num_threads, args.kv_connector, args.server_args.split(),
-                                startup_timeout=args.startup_timeout)
+                                startup_timeout=args.startup_timeout, api_key=args.api_key,
+                                secure=args.secure, prefill_host=args.prefill_host,
+                                decode_host=args.decode_host, proxy_host=args.host,
+                                kv_extra_config=args.kv_extra_config)
         print(f"KV store ({cluster.kv_connector}): {cluster.kv_store}")
         for u in cluster.prefill_urls:
             print(f"prefill: {u}")
         for u in cluster.decode_urls:
             print(f"decode:  {u}")
         print(f"proxy:   {cluster.proxy_url}   (logs in {cluster.log_dir})")
+        if cluster.api_key and cluster.api_key != args.api_key:     # generated: shown this once
+            print(f"API key: {cluster.api_key}")
+        if cluster.secrets_dir:
+            print(f"secrets: {cluster.secrets_dir} (removed at exit)")
         print("CLUSTER " + json.dumps(cluster.describe()), flush=True)
         while not stop["now"]:
             for name, p in cluster.procs.items():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 
@@ -22,3 +23,9 @@ def resolve_obj_by_qualname(qualname: str) -> Any:
             obj = getattr(obj, attr)
         return obj
     raise ImportError(f"no module in {qualname!r}")
+
+
+def cache_dir() -> str:
+    """Where minivllm keeps what it computes once per machine (converted checkpoints, linear
+    route choices): ``$MINIVLLM_CACHE_DIR``, else ``~/.cache/minivllm``."""
+    return os.path.expanduser(os.environ.get("MINIVLLM_CACHE_DIR") or "~/.cache/minivllm")

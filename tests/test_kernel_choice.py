@@ -7,6 +7,12 @@ from minivllm.model_executor.cpu_linear import process_weights_after_loading
 from minivllm.model_executor.linear import Linear
 
 
+@pytest.fixture(autouse=True)
+def no_route_cache(monkeypatch):
+    """These tests watch the timing itself: no choices from (or into) the on-disk cache."""
+    monkeypatch.setenv("MINIVLLM_ROUTE_CACHE", "0")
+
+
 def test_choice_is_timed_once_per_shape_and_bucket(monkeypatch):
     monkeypatch.delenv("MINIVLLM_LINEAR_ROUTE", raising=False)
     monkeypatch.setattr(kc, "CHOICES", kc.KernelChoices())

@@ -3,12 +3,18 @@ CPU's measured routes are a method set once after loading, and ``linear.py`` doe
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from minivllm.model_executor.cpu_linear import (CPUUnquantizedLinearMethod,
                                                 process_weights_after_loading)
 from minivllm.model_executor.linear import Linear, QKVParallelLinear, UnquantizedLinearMethod
+
+
+@pytest.fixture(autouse=True)
+def no_route_cache(monkeypatch):
+    monkeypatch.setenv("MINIVLLM_ROUTE_CACHE", "0")   # choices timed here, none from disk
 
 
 def test_a_fresh_layer_is_plain_f_linear():

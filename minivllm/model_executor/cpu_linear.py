@@ -6,7 +6,8 @@
 of the model's ``Linear`` layers at every row bucket (``kernel_choice``), gives each such layer a
 ``CPUUnquantizedLinearMethod``, and hands it the packed copies its routes read, so no step pays for
 either. ``MINIVLLM_LINEAR_ROUTE=f_linear`` leaves every layer on the plain ``F.linear`` method;
-another fixed route installs this method without timing.
+another fixed route installs this method without timing. Choices timed once on this machine are
+read back from disk (``route_cache``), so a later process times nothing.
 
 Per call the method looks up the route measured for the row count and runs it; CUDA, non-2-D and
 empty inputs, and autograd, still take ``F.linear``. All routes agree with ``F.linear`` to float32
@@ -21,10 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.model_executor import kernel_choice
+from minivllm.model_executor import kernel_choice, route_cache
 from minivllm.model_executor.kernel_choice import (CANDIDATES, MAX_TUNED_ROWS, PREPARE,
                                                    ROW_BUCKETS, KernelChoices, choose,
-                                                   forced_route, prepare_operands)
+                                                   forced_route, packing_allowed,
+                                                   prepare_operands, shape_key)
 from minivllm.model_executor.linear import Linear, UnquantizedLinearMethod
 
 
@@ -112,20 +114,29 @@ def process_weights_after_loading(model: nn.Module) -> KernelChoices:
             seen.setdefault((tuple(w.shape), w.dtype), []).append(mod)
     if forced:   # a fixed route: nothing to time, copies are made on first use
         return kernel_choice.CHOICES
+    choices = kernel_choice.CHOICES
+    cache_key = route_cache.machine(packing_allowed()) if route_cache.enabled() else None
+    if cache_key is not None:   # what an earlier process on this machine chose
+        for key, route in route_cache.load(cache_key, CANDIDATES).items():
+            choices.chosen.setdefault(key, route)
+    num_timed = len(choices.timings_us)
     for mods in seen.values():
         # A tied LM head is the embedding's weight: one copy per distinct tensor.
         mods = list({id(mod.weight): mod for mod in mods}.values())
         weights = [mod.weight for mod in mods]
-        with torch.no_grad():
-            prepared = prepare_operands(weights)   # made once per shape, for every row bucket
+        known = [choices.chosen.get(shape_key(weights[0], m)) for m in ROW_BUCKETS]
+        with torch.no_grad():   # made once per shape, for every row bucket (known: only those used)
+            prepared = prepare_operands(weights, None if None in known else set(known))
         routes = {choose(weights[0], m, weights, prepared) for m in ROW_BUCKETS}
         # The layers keep the copies their routes read (so the first step does not pay for
         # them); the rest are dropped here.
         for name in routes & set(prepared):
             for mod, copy in zip(mods, prepared[name]):
                 mod.quant_method.set_prepared(mod, name, copy)
+    if cache_key is not None and len(choices.timings_us) > num_timed:
+        route_cache.save(cache_key, choices.chosen)
     if seen:
-        kernel_choice.logger.info("linear kernel choice (%.2f s this call): %s",
-                                  time.perf_counter() - t0,
-                                  "; ".join(kernel_choice.CHOICES.summary()))
-    return kernel_choice.CHOICES
+        kernel_choice.logger.info("linear kernel choice (%.2f s this call, %d shapes timed): %s",
+                                  time.perf_counter() - t0, len(choices.timings_us) - num_timed,
+                                  "; ".join(choices.summary()))
+    return choices

@@ -156,14 +156,17 @@ def packing_allowed() -> bool:
     return value not in ("0", "false", "no")
 
 
-def prepare_operands(weights: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-    """Each prepared-weight candidate's copies of ``weights`` (``PREPARE``); a candidate this
-    oneDNN build cannot prepare for the dtype or CPU is left out, and all of them under
-    ``MINIVLLM_LINEAR_PACK=0``."""
+def prepare_operands(weights: list[torch.Tensor],
+                     names: Optional[set[str]] = None) -> dict[str, list[torch.Tensor]]:
+    """Each prepared-weight candidate's copies of ``weights`` (``PREPARE``, or those of it in
+    ``names``); a candidate this oneDNN build cannot prepare for the dtype or CPU is left out, and
+    all of them under ``MINIVLLM_LINEAR_PACK=0``."""
     out = {}
     if not packing_allowed():
         return out
     for name, prepare in PREPARE.items():
+        if names is not None and name not in names:
+            continue
         try:
             out[name] = [prepare(w) for w in weights]
         except RuntimeError:
@@ -209,6 +212,11 @@ def _time_candidates(x: torch.Tensor, weights: list[torch.Tensor], rounds: int =
     return best
 
 
+def shape_key(weight: torch.Tensor, m: int) -> ShapeKey:
+    return (weight.device.type, str(weight.dtype).replace("torch.", ""), weight.shape[0],
+            weight.shape[1], row_bucket(m))
+
+
 def choose(weight: torch.Tensor, m: int, same_shape: Optional[list[torch.Tensor]] = None,
            prepared: Optional[dict[str, list[torch.Tensor]]] = None) -> str:
     """The route for ``m`` rows (m >= 1) times ``weight``; timed on first use,
@@ -217,8 +225,7 @@ def choose(weight: torch.Tensor, m: int, same_shape: Optional[list[torch.Tensor]
     forced = forced_route()
     if forced:
         return forced
-    key = (weight.device.type, str(weight.dtype).replace("torch.", ""), weight.shape[0],
-           weight.shape[1], row_bucket(m))
+    key = shape_key(weight, m)
     name = CHOICES.chosen.get(key)
     if name is None:
         name = _tune(key, same_shape or [weight], prepared)

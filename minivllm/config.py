@@ -28,8 +28,14 @@ class ModelConfig:
     max_model_len: Optional[int] = None   # resolved from the checkpoint when None
     skip_tokenizer_init: bool = False
     seed: int = 0
+    # vLLM's: which numbers logprobs return ("raw_logprobs", "raw_logits", "processed_logprobs",
+    # "processed_logits"), and the most a request may ask for (-1, the whole vocabulary, is allowed).
+    logprobs_mode: str = "raw_logprobs"
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
+        from minivllm.sampling_params import check_logprobs_mode
+        check_logprobs_mode(self.logprobs_mode)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -59,6 +59,8 @@ class LLM:
         enable_chunked_prefill: bool = True,
         break_at: Optional[Sequence[str]] = None,   # article-step breakpoints (minivllm/steps.py)
         async_scheduling: bool = False,
+        logprobs_mode: str = "raw_logprobs",   # vLLM's; see minivllm/sample/ops/logprobs.py
+        max_logprobs: int = 20,
     ) -> None:
         __import__("minivllm.steps").steps.configure(break_at)   # unknown id: ValueError, before any work
         # 1. Plain argument checks: nothing is loaded yet.
@@ -79,7 +81,8 @@ class LLM:
             if problem is not None:
                 raise ValueError(f"attention_backend='triton' cannot run on {device}: {problem}")
         model_config = ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
-                                   skip_tokenizer_init=skip_tokenizer_init, seed=seed)
+                                   skip_tokenizer_init=skip_tokenizer_init, seed=seed,
+                                   logprobs_mode=logprobs_mode, max_logprobs=max_logprobs)
         cache_config = CacheConfig(block_size=block_size,
                                    enable_prefix_caching=enable_prefix_caching,
                                    num_gpu_blocks_override=num_gpu_blocks_override,

@@ -108,3 +108,30 @@ def test_tls_needs_a_tls_build_the_bundled_one_says_so(tmp_path):
                        capture_output=True, text=True, timeout=60, env=child_env())
     assert r.returncode == 1 and r.stdout == ""
     assert "built without TLS" in r.stderr and "MINIVLLM_REDIS_SERVER" in r.stderr, r.stderr
+
+
+def test_launcher_secure_gives_the_store_a_password_file(tmp_path):
+    """``launch --secure`` with RedisStoreConnector: a random password in a 0600 file of a private
+    folder, the store started with it and its URL without it; an instance given the file gets
+    in; the folder goes when the cluster stops."""
+    import os
+    from minivllm.disagg import launch
+    from minivllm.distributed.kv_transfer.factory import validate_kv_transfer_config
+    cluster = launch.Cluster("http://127.0.0.1:1", [], [], "RedisStoreConnector", "", str(tmp_path))
+    try:
+        guard = launch._secure_files(cluster, "RedisStoreConnector", 1)
+        pw_file = guard["password_file"]
+        assert os.stat(pw_file).st_mode & 0o777 == 0o600
+        assert os.stat(cluster.secrets_dir).st_mode & 0o777 == 0o700
+        url = launch._start_redis(cluster, child_env(), 30, pw_file)
+        password = open(pw_file).read().strip()
+        assert url.startswith("redis://127.0.0.1:") and password not in url
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(url).ping()
+        assert redis.Redis.from_url(url, password=password).ping()
+        validate_kv_transfer_config(ktc(url, "kv_consumer", password_file=pw_file))
+        with pytest.raises(PermissionError):
+            validate_kv_transfer_config(ktc(url, "kv_consumer"))
+    finally:
+        cluster.stop()
+    assert not os.path.exists(cluster.secrets_dir)

@@ -135,3 +135,35 @@ def test_launcher_secure_gives_the_store_a_password_file(tmp_path):
     finally:
         cluster.stop()
     assert not os.path.exists(cluster.secrets_dir)
+
+
+def test_curve_config_is_checked_before_any_weights_load(tmp_path, caplog):
+    """The roles' CURVE keys are checked at validation (a clear ValueError), and a side channel
+    beyond loopback without CURVE is a one-line warning naming the keys."""
+    from minivllm.disagg.keys import make_keys
+    from minivllm.distributed.kv_transfer.factory import validate_kv_transfer_config
+    from minivllm.distributed.kv_transfer.zmq_pull_curve import warn_if_open
+    keys = make_keys(str(tmp_path / "keys"), 2)
+
+    def check(role, **extra):
+        validate_kv_transfer_config(KVTransferConfig("ZmqPullConnector", role, extra))
+    check("kv_producer", **keys["prefill"])
+    check("kv_consumer", **keys["decode1"])
+    bad = [("kv_producer", {**keys["prefill"], "curve_allowed_clients_dir": None},
+            "curve_allowed_clients_dir"),
+           ("kv_consumer", {**keys["decode0"], "curve_server_public_key_file": None},
+            "curve_server_public_key_file"),
+           ("kv_consumer", {**keys["decode0"], "curve_public_key_file":
+                            keys["decode1"]["curve_public_key_file"]}, "not the public half"),
+           ("kv_consumer", {**keys["decode0"], "curve_secret_key_file":
+                            keys["decode0"]["curve_public_key_file"]}, "holds no secret key"),
+           ("kv_consumer", {**keys["decode0"], "curve_secret_key_file": str(tmp_path / "none")},
+            "minivllm.disagg.keys")]
+    for role, extra, words in bad:
+        with pytest.raises(ValueError, match=words):
+            check(role, **{k: v for k, v in extra.items() if v is not None})
+    with caplog.at_level(logging.WARNING):
+        warn_if_open("127.0.0.2")
+        assert caplog.records == []
+        warn_if_open("0.0.0.0")
+    assert "curve_secret_key_file" in caplog.text and "0.0.0.0" in caplog.text

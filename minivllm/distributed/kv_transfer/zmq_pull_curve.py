@@ -71,6 +71,20 @@ def validate_curve_config(extra: dict[str, Any], is_producer: bool, is_consumer:
         _load(extra["curve_server_public_key_file"], "server public key file")
 
 
+def warn_if_open(host: str) -> None:
+    """A warning, not a refusal: a side channel beyond loopback without CURVE serves P's blocks
+    to anyone who can reach it and knows a request id."""
+    import ipaddress
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        logger.warning("ZmqPullConnector: the side channel binds %s without CURVE: anyone who "
+                       "can reach it may read held KV blocks; set curve_secret_key_file and "
+                       "curve_allowed_clients_dir (python -m minivllm.disagg.keys).", host)
+
+
 class _AllowedKeys:
     """ZAP credentials provider (``zmq.auth``'s callback): the allowed folder's keys and P's own."""
 

@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 
 from minivllm.distributed.kv_transfer.base import KVConnectorRole
-from minivllm.distributed.kv_transfer.zmq_pull_curve import CurveSecurity
+from minivllm.distributed.kv_transfer.zmq_pull_curve import CurveSecurity, warn_if_open
 from minivllm.distributed.kv_transfer.zmq_pull_metadata import RecvReqMeta
 from minivllm.threads import keep_off_openmp
 
@@ -95,6 +95,8 @@ class ZmqPullWorkerMixin:
             import zmq
             self._server = (self._curve.server_socket() if self._curve is not None
                             else self._ctx.socket(zmq.ROUTER))
+            if self._curve is None:
+                warn_if_open(self._host)
             self._server.setsockopt(zmq.LINGER, 0)
             self._server.bind(f"tcp://{self._host}:{self._port}")
             self._listener = threading.Thread(target=self._serve, name="minivllm-kv-side-channel",

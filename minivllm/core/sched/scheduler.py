@@ -361,7 +361,8 @@ class Scheduler(KVTransferMixin):
             request = self.requests.get(req_id)
             if request is None or request.is_finished() or req_id in failed:
                 continue
-            generated = sampled[model_runner_output.req_id_to_index[req_id]]
+            row = model_runner_output.req_id_to_index[req_id]
+            generated = sampled[row]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts and generated:   # no output (e.g. a failed load): nothing was verified
                 num_accepted = len(generated) - 1
@@ -373,6 +374,11 @@ class Scheduler(KVTransferMixin):
                 if self.spec_decoding_stats is not None:
                     self.spec_decoding_stats.observe_draft(len(drafts), num_accepted)
             new_token_ids, is_stopped = self._update_request_with_output(request, generated)
+            # vLLM's EngineCoreOutput.new_logprobs / new_prompt_logprobs_tensors, for the outputs.
+            logprobs = getattr(model_runner_output, "logprobs", None)
+            request.new_logprobs = (logprobs[row] or [])[:len(new_token_ids)] if logprobs else None
+            request.new_prompt_logprobs = getattr(
+                model_runner_output, "prompt_logprobs_dict", {}).get(req_id)
             if is_stopped:
                 self._free_request(request)
                 stopped.add(req_id)

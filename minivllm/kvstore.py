@@ -74,8 +74,11 @@ class RedisServer:
                  start_timeout_s: float = 10.0, password: Optional[str] = None,
                  tls: Optional[tuple[str, str, str]] = None) -> None:
         self.port, self.host, self.maxmemory = port, host, maxmemory
-        if password is not None and (not password or any(c in password for c in "\r\n\"")):
-            raise ValueError("the Redis password must be non-empty, one line, without '\"'.")
+        if password is not None and (not password or any(
+                c in '"\\' or not c.isprintable() for c in password)):
+            # (it goes in a double-quoted config line, where Redis reads escapes)
+            raise ValueError("the Redis password must be non-empty printable text without "
+                             "'\"' or '\\'.")
         self.password, self.tls = password, tls
         self.dir = tempfile.mkdtemp(prefix="minivllm-kvstore-")
         self.unix_socket = None if port is not None else (unix_socket or os.path.join(self.dir, "redis.sock"))

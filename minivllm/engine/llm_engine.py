@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 
 from minivllm.config import VllmConfig
 from minivllm.engine.core import EngineCore
+from minivllm.engine.logprobs import LogprobsProcessor
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
@@ -31,6 +32,8 @@ class LLMEngine:
         self.extra_eos_token_ids = [t for t in (extra_eos_token_ids or []) if t != eos]
         self.engine_core = EngineCore(vllm_config, detokenize=self._detokenize if tokenizer else None)
         self._requests: dict[str, Request] = {}
+        # req_id -> its logprobs so far (vLLM's OutputProcessor keeps one per request state).
+        self._logprobs: dict[str, LogprobsProcessor] = {}
 
     @property
     def scheduler(self):
@@ -83,6 +86,7 @@ class LLMEngine:
             params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": kv_transfer_params}
         params._all_stop_token_ids = set(params._all_stop_token_ids)
         text, token_ids = self.validate_prompt(prompt)
+        self.verify_sampling_params(params)
         max_model_len = self.vllm_config.model_config.max_model_len
         if not params.ignore_eos and self.extra_eos_token_ids:
             params._all_stop_token_ids |= set(self.extra_eos_token_ids)
@@ -90,15 +94,31 @@ class LLMEngine:
             params.max_tokens = max_model_len - len(token_ids)
         request = self.scheduler.make_request(request_id, token_ids, params, self.eos_token_id,
                                               prompt=text)
+        # vLLM skips the prefix cache for prompt logprobs: every prompt position must be computed.
+        request.skip_reading_prefix_cache = params.prompt_logprobs is not None
         self._requests[request_id] = request
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            self._logprobs[request_id] = LogprobsProcessor(params, self.tokenizer, token_ids)
         self.engine_core.add_request(request)
         return request
+
+    def verify_sampling_params(self, params: SamplingParams) -> None:
+        """The checks of ``params`` that need the model (vLLM's ``InputProcessor``): token ids
+        inside the vocabulary, ``bad_words`` tokenised, ``logprobs`` within ``max_logprobs``."""
+        params.verify_for_model(self.vllm_config.hf_config.vocab_size, self.tokenizer)
+        max_logprobs = self.vllm_config.model_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(f"{name}: requested {value}, which is greater than max allowed: "
+                                 f"{max_logprobs}.")
 
     def abort_request(self, request_ids: list[str]) -> None:
         from minivllm.request import RequestStatus
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for request_id in request_ids:
             self._requests.pop(request_id, None)
+            self._logprobs.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         """Requests a caller still waits for (``LLM.generate`` loops on this, as vLLM's loops on
@@ -114,10 +134,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return a RequestOutput for every request that progressed."""
         results = []
-        for request, _ in self.engine_core.step():
+        for request, new_token_ids in self.engine_core.step():
+            if request.request_id in self._logprobs:
+                self._logprobs[request.request_id].update_from_output(request, new_token_ids)
             results.append(self.make_output(request))
             if request.is_finished():
                 self._requests.pop(request.request_id, None)
+                self._logprobs.pop(request.request_id, None)
         return results
 
     def make_output(self, request: Request) -> RequestOutput:
@@ -129,7 +152,11 @@ class LLMEngine:
             text = text[:cut + len(stop)] if request.sampling_params.include_stop_str_in_output \
                 else text[:cut]
         completion = CompletionOutput(0, text, token_ids, request.get_finished_reason(), stop)
+        lp = self._logprobs.get(request.request_id)
+        if lp is not None:
+            completion.logprobs, completion.cumulative_logprob = lp.logprobs, lp.cumulative_logprob
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
                              [completion], request.is_finished(),
                              num_cached_tokens=max(request.num_cached_tokens, 0),
-                             kv_transfer_params=request.output_kv_transfer_params)
+                             kv_transfer_params=request.output_kv_transfer_params,
+                             prompt_logprobs=None if lp is None else lp.prompt_logprobs)

@@ -9,6 +9,17 @@ One row per request in the batch (``[batch]``), in the order of the logits rows 
   random stream; that is what makes a seeded request reproducible whatever else is in the batch.
 - ``min_tokens``: row index -> ``(min_tokens, num_output_tokens, stop_ids)`` for rows whose stop ids
   are still masked (``logits_processor.apply_min_tokens``; vLLM's ``MinTokensLogitsProcessor``).
+
+The fields of vLLM 0.32's metadata for the logits processors (``sample/ops/``); each is empty or
+``None`` when no row uses it, so a plain batch pays nothing:
+- ``presence_penalties``, ``frequency_penalties``, ``repetition_penalties``: ``[batch]`` float32, or
+  all ``None`` (vLLM's ``no_penalties``); ``prompt_token_ids`` and ``output_token_ids`` (lists per
+  row) are then filled: the penalties read them.
+- ``min_p``: ``[batch]`` float32 or ``None``; ``logit_bias``: row -> {token_id: bias};
+  ``allowed_token_ids``: row -> the allowed ids; ``bad_words_token_ids``: row -> token id sequences.
+- ``spec_token_ids``: per row the drafts being verified this step (the rejection sampler counts
+  them as outputs at the later draft positions).
+- ``max_num_logprobs``: the largest ``logprobs`` of the batch (-1: whole vocabulary), or ``None``.
 """
 from __future__ import annotations
 
@@ -17,7 +28,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import _SAMPLING_EPS, SamplingParams
 
 
 @dataclass
@@ -29,6 +40,21 @@ class SamplingMetadata:
     top_k: Optional[torch.Tensor]
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     min_tokens: dict[int, tuple[int, int, list[int]]] = field(default_factory=dict)
+    presence_penalties: Optional[torch.Tensor] = None
+    frequency_penalties: Optional[torch.Tensor] = None
+    repetition_penalties: Optional[torch.Tensor] = None
+    prompt_token_ids: Optional[list[list[int]]] = None
+    output_token_ids: list[list[int]] = field(default_factory=list)
+    spec_token_ids: Optional[list[list[int]]] = None
+    min_p: Optional[torch.Tensor] = None
+    logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)
+    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
+    max_num_logprobs: Optional[int] = None
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.presence_penalties is None
 
     @classmethod
     def from_params(
@@ -37,6 +63,9 @@ class SamplingMetadata:
         generators: Optional[dict[int, torch.Generator]] = None,
         device: Union[str, torch.device] = "cpu",
         num_output_tokens: Optional[Sequence[int]] = None,
+        prompt_token_ids: Optional[Sequence[list[int]]] = None,
+        output_token_ids: Optional[Sequence[list[int]]] = None,
+        spec_token_ids: Optional[Sequence[list[int]]] = None,
     ) -> "SamplingMetadata":
         """Tensors for one batch, row i from ``params[i]``.
 
@@ -44,7 +73,8 @@ class SamplingMetadata:
         When ``None``, fresh generators are built from each random row's ``seed``: right for a single
         call (tests, notebooks), wrong across engine steps, where every step would replay the same draws.
         ``num_output_tokens[i]``: request i's output tokens before this step (default 0), for
-        ``min_tokens``.
+        ``min_tokens``. ``prompt_token_ids`` / ``output_token_ids`` / ``spec_token_ids`` (lists per
+        row; default empty) are what penalties and bad words count.
         """
         greedy = [p.sampling_type_greedy for p in params]
         all_greedy = all(greedy)
@@ -67,10 +97,39 @@ class SamplingMetadata:
         top_k = None
         if any(p.top_k > 0 for p in params):
             top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+        if output_token_ids is None:
+            output_token_ids = [[] for _ in params]
         min_tokens = {}
         for i, p in enumerate(params):
-            done = num_output_tokens[i] if num_output_tokens is not None else 0
+            done = num_output_tokens[i] if num_output_tokens is not None else len(output_token_ids[i])
             if done < p.min_tokens and p.all_stop_token_ids:
                 min_tokens[i] = (p.min_tokens, done, sorted(p.all_stop_token_ids))
-        return cls(temperature=temperature, all_greedy=all_greedy, all_random=all_random,
-                   top_p=top_p, top_k=top_k, generators=generators, min_tokens=min_tokens)
+        md = cls(temperature=temperature, all_greedy=all_greedy, all_random=all_random,
+                 top_p=top_p, top_k=top_k, generators=generators, min_tokens=min_tokens,
+                 output_token_ids=[list(t) for t in output_token_ids],
+                 spec_token_ids=None if spec_token_ids is None else [list(t) for t in spec_token_ids])
+        _fill_logits_processor_fields(md, params, prompt_token_ids, device)
+        return md
+
+
+def _fill_logits_processor_fields(md: SamplingMetadata, params: Sequence[SamplingParams],
+                                  prompt_token_ids: Optional[Sequence[list[int]]], device) -> None:
+    """The penalties, min_p, logit bias, allowed ids, bad words and logprobs fields of ``md``."""
+    if not all(p.no_penalties for p in params):
+        t = lambda name: torch.tensor([getattr(p, name) for p in params],  # noqa: E731
+                                      dtype=torch.float32, device=device)
+        md.presence_penalties = t("presence_penalty")
+        md.frequency_penalties = t("frequency_penalty")
+        md.repetition_penalties = t("repetition_penalty")
+        md.prompt_token_ids = ([list(x) for x in prompt_token_ids] if prompt_token_ids is not None
+                               else [[] for _ in params])
+    if any(p.min_p > _SAMPLING_EPS for p in params):
+        md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    md.logit_bias = {i: p.logit_bias for i, p in enumerate(params) if p.logit_bias}
+    md.allowed_token_ids = {i: list(p.allowed_token_ids) for i, p in enumerate(params)
+                            if p.allowed_token_ids is not None}
+    md.bad_words_token_ids = {i: p.bad_words_token_ids for i, p in enumerate(params)
+                              if p.bad_words_token_ids}
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    if asked:
+        md.max_num_logprobs = -1 if -1 in asked else max(asked)

@@ -29,6 +29,7 @@ vectorisation 110-150 us.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Optional, TYPE_CHECKING
 
@@ -38,7 +39,9 @@ from torch import nn
 from minivllm import trace
 from minivllm.sample.logits_processor import apply_min_tokens
 from minivllm.sample.metadata import SamplingMetadata
-from minivllm.sample.sampler import apply_temperature, apply_top_k_top_p, exponential_noise
+from minivllm.sample.ops.builtin import apply_min_p
+from minivllm.sample.sampler import (apply_logits_processors, apply_temperature, apply_top_k_top_p,
+                                     exponential_noise)
 from minivllm.steps import BREAKS, at_step
 
 if TYPE_CHECKING:   # spec_decode sits above sampling (its drafters sample); only the annotation
@@ -173,9 +176,45 @@ def generate_recovery_noise(batch_size: int, vocab_size: int, num_draft_tokens: 
 
 # ---------------------------------------------------------------------------------------------------
 
+def combine_outputs_with_spec_tokens(output_token_ids: list[list[int]],
+                                     draft_token_ids: list[list[int]]) -> list[list[int]]:
+    """vLLM's ``RejectionSampler._combine_outputs_with_spec_tokens``: one list per draft position,
+    the request's outputs followed by its drafts before that position (draft j is tested as if
+    drafts 0..j-1 had been output already, which they have when j is reached)."""
+    return [[*out, *drafts[:j]] for out, drafts in zip(output_token_ids, draft_token_ids)
+            for j in range(len(drafts))]
+
+
+def draft_rows_metadata(sampling_metadata: SamplingMetadata,
+                        metadata: SpecDecodeMetadata) -> SamplingMetadata:
+    """``sampling_metadata`` with one row per draft position (vLLM's ``repeat_indices``): each row
+    carries its request's penalties, bias, allowed ids and bad words, and the outputs it follows."""
+    md, num_draft = sampling_metadata, metadata.num_draft_tokens
+    repeat = [i for i, n in enumerate(num_draft) for _ in range(n)]
+    flat = metadata.draft_token_ids.tolist()
+    starts = [0, *itertools.accumulate(num_draft)]
+    drafts = [flat[starts[i]:starts[i + 1]] for i in range(len(num_draft))]
+    remap = lambda per_req: {r: per_req[i] for r, i in enumerate(repeat) if i in per_req}  # noqa: E731
+    rows = dataclasses.replace(
+        md, min_tokens={}, logit_bias=remap(md.logit_bias),
+        allowed_token_ids=remap(md.allowed_token_ids),
+        bad_words_token_ids=remap(md.bad_words_token_ids),
+        output_token_ids=combine_outputs_with_spec_tokens(md.output_token_ids, drafts))
+    if not md.no_penalties:
+        idx = torch.tensor(repeat, dtype=torch.long, device=md.presence_penalties.device)
+        rows = dataclasses.replace(
+            rows, presence_penalties=md.presence_penalties[idx],
+            frequency_penalties=md.frequency_penalties[idx],
+            repetition_penalties=md.repetition_penalties[idx],
+            prompt_token_ids=[md.prompt_token_ids[i] for i in repeat])
+    return rows
+
+
 def apply_sampling_constraints(logits: torch.Tensor, metadata: SpecDecodeMetadata,
                                sampling_metadata: SamplingMetadata, backend: str = "torch") -> torch.Tensor:
-    """Temperature, top-k and top-p per draft token: each request's values repeated over its drafts."""
+    """Temperature, min_p, top-k and top-p per draft token: each request's values repeated over its
+    drafts (vLLM 0.32 leaves min_p out here; applying it keeps every position distributed as the
+    plain sampler's)."""
     if sampling_metadata.all_greedy:
         return logits
     expand = _kernels(backend)[0]
@@ -183,7 +222,10 @@ def apply_sampling_constraints(logits: torch.Tensor, metadata: SpecDecodeMetadat
     temperature = expand(sampling_metadata.temperature, cu, n, msl, GREEDY_TEMPERATURE, 1.0)
     top_k = None if sampling_metadata.top_k is None else expand(sampling_metadata.top_k, cu, n, msl)
     top_p = None if sampling_metadata.top_p is None else expand(sampling_metadata.top_p, cu, n, msl)
-    return apply_top_k_top_p(apply_temperature(logits, temperature), top_k, top_p)
+    logits = apply_temperature(logits, temperature)
+    if sampling_metadata.min_p is not None:
+        logits = apply_min_p(logits, expand(sampling_metadata.min_p, cu, n, msl))
+    return apply_top_k_top_p(logits, top_k, top_p)
 
 
 def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
@@ -235,6 +277,9 @@ class RejectionSampler(nn.Module):
         self.backend = backend
         self.record = False
         self.last_record: Optional[list[list[dict]]] = None
+        # The logits each draft was tested against ([num_draft_tokens, vocab], after the logits
+        # processors and the sampling constraints), for the logprobs of the accepted tokens.
+        self.last_target_logits: Optional[torch.Tensor] = None
 
     def forward(self, metadata: SpecDecodeMetadata, draft_probs: Optional[torch.Tensor],
                 target_logits: torch.Tensor, bonus_token_ids: torch.Tensor,
@@ -242,10 +287,11 @@ class RejectionSampler(nn.Module):
         _check_inputs(metadata, draft_probs, target_logits, bonus_token_ids, sampling_metadata)
         if draft_probs is not None:
             draft_probs = draft_probs.float()
-        # min_tokens first, on each draft's own output position (vLLM: apply_logits_processors ->
-        # MinTokensLogitsProcessor.apply_with_spec_decode), so a masked stop token is never accepted.
-        logits = apply_min_tokens(target_logits.float(), sampling_metadata, metadata.num_draft_tokens)
+        # Penalties, bias, masks and min_tokens on each draft's own output position, the earlier
+        # drafts counted as outputs: a draft is tested against what plain sampling would see there.
+        logits = self.apply_logits_processors(target_logits.float(), sampling_metadata, metadata)
         logits = apply_sampling_constraints(logits, metadata, sampling_metadata, self.backend)
+        self.last_target_logits = logits
         target_probs = logits.softmax(dim=-1, dtype=torch.float32)
         # vLLM 0.32 takes the argmax of the logits too (rejection_sampler.py, target_logits.argmax),
         # the same token the Sampler picks; the probs' argmax could differ where softmax rounds.
@@ -261,6 +307,18 @@ class RejectionSampler(nn.Module):
             # The model runner turns these into "spec_verify" trace events keyed by request id.
             self.last_record = records
         return output
+
+    @staticmethod
+    def apply_logits_processors(logits: torch.Tensor, sampling_metadata: SamplingMetadata,
+                                metadata: SpecDecodeMetadata) -> torch.Tensor:
+        """vLLM's ``RejectionSampler.apply_logits_processors``: the sampler's processors at every
+        draft position (``draft_rows_metadata``), then ``min_tokens`` by output position (vLLM's
+        ``MinTokensLogitsProcessor.apply_with_spec_decode``), so a masked stop token is never
+        accepted. Unlike vLLM 0.32 the logit bias applies here too, as in the plain sampler."""
+        md = sampling_metadata
+        if md.allowed_token_ids or md.bad_words_token_ids or md.logit_bias or not md.no_penalties:
+            logits = apply_logits_processors(logits, draft_rows_metadata(md, metadata))
+        return apply_min_tokens(logits, md, metadata.num_draft_tokens)
 
     @staticmethod
     def parse_output(output_token_ids: torch.Tensor, vocab_size: int,

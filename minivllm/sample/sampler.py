@@ -1,12 +1,21 @@
 """The ordinary sampler, mirroring vllm/v1/sample/sampler.py (and ops/topk_topp_sampler.py).
 
-``Sampler()(logits [num_reqs, vocab] float32, sampling_metadata) -> [num_reqs] int64``:
-greedy rows take the argmax (first index on ties); random rows divide by their temperature, apply
-top-k then top-p (vLLM's order), take the softmax and sample with the exponential race
-``argmax(probs / q)``, ``q ~ Exp(1)`` per vocabulary entry. ``argmax(p / q)`` picks token x with
-probability ``p(x) / sum(p)``: ``q(x) / p(x)`` is Exp(p(x)), and the smallest of independent
-exponentials is x with probability proportional to its rate. It needs no cumulative sum and no
-normalisation, and a seeded row can draw its own ``q`` with its own generator.
+``Sampler()(logits [num_reqs, vocab] float32, sampling_metadata) -> [num_reqs] int64``, in vLLM
+0.32's order (``Sampler.forward``'s docstring there):
+
+1. the logprobs to return, when ``logprobs_mode`` is ``raw_*`` (``compute_logprobs``);
+2. ``apply_logits_processors``: the allowed-token mask (``allowed_token_ids_mask``), bad words
+   (``ops/bad_words.apply_bad_words``), ``min_tokens`` (``MinTokensLogitsProcessor``), logit bias
+   (``LogitBiasLogitsProcessor``), then the penalties (``ops/penalties.apply_all_penalties``);
+3. ``sample``: greedy rows take the argmax (first index on ties); random rows are divided by their
+   temperature (``apply_temperature``), then min_p (``MinPLogitsProcessor``), top-k and top-p
+   (``apply_top_k_top_p``), and drawn from the softmax;
+4. the logprobs, ``processed_*`` taken from the logits the token was drawn from.
+
+The draw is the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)`` per vocabulary entry, which
+picks token x with probability ``p(x) / sum(p)``: ``q(x) / p(x)`` is Exp(p(x)), and the smallest of
+independent exponentials is x with probability proportional to its rate. It needs no cumulative sum
+and no normalisation, and a seeded row can draw its own ``q`` with its own generator.
 
 ``apply_top_k_top_p`` and ``compute_probs`` are reused by the rejection sampler on per-token rows.
 """
@@ -19,6 +28,11 @@ from torch import nn
 
 from minivllm.sample.logits_processor import apply_min_tokens
 from minivllm.sample.metadata import SamplingMetadata
+from minivllm.sample.ops.bad_words import apply_bad_words
+from minivllm.sample.ops.builtin import apply_allowed_token_ids, apply_logit_bias, apply_min_p
+from minivllm.sample.ops.logprobs import (SamplerOutput, check_logprobs_mode, compute_logprobs,
+                                          logprobs_source)
+from minivllm.sample.ops.penalties import apply_all_penalties
 
 _SAMPLING_EPS = 1e-5
 # An Exp(1) draw of exactly 0 would turn a masked (probability 0) entry into 0 / 0 = NaN, which argmax
@@ -58,17 +72,57 @@ def apply_top_k_top_p(logits: torch.Tensor, k: Optional[torch.Tensor],
     return torch.empty_like(logits).scatter_(-1, order, logits_sort)
 
 
-def compute_probs(logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
-    """Probabilities [n, vocab] float32 after temperature, top-k and top-p of each row.
+def process_logits(logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
+    """Temperature, min_p, top-k and top-p of each row (``logits`` float32 ``[n, vocab]``); all-greedy
+    batches are returned as they are. Greedy rows inside a mixed batch have temperature 0, treated
+    as 1, and no min_p/top-k/top-p (SamplingParams resets them)."""
+    if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
+        return logits
+    logits = apply_temperature(logits, sampling_metadata.temperature)
+    if sampling_metadata.min_p is not None:
+        logits = apply_min_p(logits, sampling_metadata.min_p)
+    return apply_top_k_top_p(logits, sampling_metadata.top_k, sampling_metadata.top_p)
 
-    All-greedy batches get the plain softmax (their temperature is ``None``); greedy rows inside a
-    mixed batch have temperature 0, treated as 1, and no top-k/top-p (SamplingParams resets them).
-    """
-    logits = logits.float()
-    if not sampling_metadata.all_greedy and sampling_metadata.temperature is not None:
-        logits = apply_temperature(logits, sampling_metadata.temperature)
-        logits = apply_top_k_top_p(logits, sampling_metadata.top_k, sampling_metadata.top_p)
-    return logits.softmax(dim=-1, dtype=torch.float32)
+
+def compute_probs(logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
+    """Probabilities [n, vocab] float32 of what ``Sampler`` draws from: the logits processors, then
+    temperature, min_p, top-k and top-p of each row."""
+    logits = apply_logits_processors(logits.float(), sampling_metadata)
+    return process_logits(logits, sampling_metadata).softmax(dim=-1, dtype=torch.float32)
+
+
+def combine_outputs_with_spec_tokens(output_token_ids: list[list[int]],
+                                     spec_token_ids: Optional[list[list[int]]],
+                                     num_draft_tokens: list[int]) -> list[list[int]]:
+    """vLLM's ``Sampler._combine_outputs_with_spec_tokens``: a bonus row follows all its request's
+    drafts, so they count as outputs there (penalties, bad words)."""
+    if spec_token_ids is None:
+        return output_token_ids
+    return [[*out, *spec[:n]] for out, spec, n in zip(output_token_ids, spec_token_ids,
+                                                      num_draft_tokens)]
+
+
+def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata,
+                            num_draft_tokens: Optional[list[int]] = None) -> torch.Tensor:
+    """vLLM's ``Sampler.apply_logits_processors`` on float32 ``logits`` ``[n, vocab]``, in its order:
+    allowed-token mask, bad words, min_tokens, logit bias, penalties. With ``num_draft_tokens`` the
+    rows are bonus rows (``min_tokens`` and the counted outputs include the drafts)."""
+    output_token_ids = md.output_token_ids
+    if num_draft_tokens is not None and (md.bad_words_token_ids or not md.no_penalties):
+        output_token_ids = combine_outputs_with_spec_tokens(output_token_ids, md.spec_token_ids,
+                                                            num_draft_tokens)
+    if md.allowed_token_ids or md.bad_words_token_ids or md.logit_bias or not md.no_penalties:
+        logits = logits.clone()   # the ops below write in place; the caller's logits stay
+    logits = apply_allowed_token_ids(logits, md.allowed_token_ids)
+    if md.bad_words_token_ids:
+        apply_bad_words(logits, md.bad_words_token_ids, output_token_ids)
+    logits = apply_min_tokens(logits, md, num_draft_tokens, bonus=num_draft_tokens is not None)
+    logits = apply_logit_bias(logits, md.logit_bias)
+    if not md.no_penalties:
+        logits = apply_all_penalties(logits, md.prompt_token_ids, md.presence_penalties,
+                                     md.frequency_penalties, md.repetition_penalties,
+                                     output_token_ids)
+    return logits
 
 
 def exponential_noise(shape: tuple[int, int], generators: dict[int, torch.Generator],
@@ -89,22 +143,45 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
 
 
 class Sampler(nn.Module):
-    """``forward(logits [num_reqs, vocab], sampling_metadata) -> [num_reqs]`` int64 sampled ids.
+    """``forward(logits [num_reqs, vocab], sampling_metadata) -> [num_reqs]`` int64 sampled ids;
+    ``sample_output`` also gives the logprobs ``logprobs_mode`` names.
 
     ``num_draft_tokens`` (bonus rows after verification): request i's row predicts output position
-    ``num_output_tokens + num_draft_tokens[i]``, which is what ``min_tokens`` masks by."""
+    ``num_output_tokens + num_draft_tokens[i]``, which is what ``min_tokens`` masks by, and its
+    drafts count as outputs for penalties and bad words."""
+
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        super().__init__()
+        self.logprobs_mode = check_logprobs_mode(logprobs_mode)
 
     def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata,
                 num_draft_tokens: Optional[list[int]] = None) -> torch.Tensor:
-        logits = apply_min_tokens(logits.float(), sampling_metadata, num_draft_tokens,
-                                  bonus=num_draft_tokens is not None)
+        return self.sample_output(logits, sampling_metadata, num_draft_tokens).sampled_token_ids
+
+    def sample_output(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata,
+                      num_draft_tokens: Optional[list[int]] = None,
+                      logprobs_mode: Optional[str] = None) -> SamplerOutput:
+        """vLLM's ``Sampler.forward``: steps 1-4 of the module docstring."""
+        mode = logprobs_mode or self.logprobs_mode
+        wants_logprobs = sampling_metadata.max_num_logprobs is not None
+        raw = logprobs_source(logits, mode) if wants_logprobs and mode.startswith("raw") else None
+        logits = apply_logits_processors(logits.float(), sampling_metadata, num_draft_tokens)
+        sampled, processed = self.sample(logits, sampling_metadata)
+        if wants_logprobs and raw is None:
+            raw = processed if mode == "processed_logits" else compute_logprobs(processed)
+        return SamplerOutput(sampled, raw)
+
+    @staticmethod
+    def sample(logits: torch.Tensor,
+               sampling_metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> the sampled ids ``[n]`` and the processed logits they were drawn from."""
         greedy = None if sampling_metadata.all_random else logits.argmax(dim=-1)
         if sampling_metadata.all_greedy:
-            return greedy
-        probs = compute_probs(logits, sampling_metadata)
+            return greedy, logits
+        processed = process_logits(logits, sampling_metadata)
+        probs = processed.softmax(dim=-1, dtype=torch.float32)
         sampled = random_sample(probs, sampling_metadata.generators)
         if greedy is None:
-            return sampled
+            return sampled, processed
         is_greedy = sampling_metadata.temperature < _SAMPLING_EPS
-        return torch.where(is_greedy, greedy, sampled)
-
+        return torch.where(is_greedy, greedy, sampled), processed

@@ -36,6 +36,7 @@ from minivllm.forward_context import set_forward_context
 from minivllm.model_executor.model_loader import load_model
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.sampler import Sampler
+from minivllm.worker.logprobs import LogprobsRunnerMixin
 from minivllm.steps import BREAKS, at_step
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
 from minivllm.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
@@ -55,6 +56,13 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     kv_connector_output: Any = None
     timings: dict[str, float] = field(default_factory=dict)
+    # vLLM's logprobs (LogprobsLists): per request row ``None`` or, per sampled token, the
+    # ``(token_ids, logprobs, rank)`` of the sampled token first and then the top k.
+    logprobs: Optional[list[Optional[list[tuple[list[int], list[float], int]]]]] = None
+    # vLLM's prompt_logprobs_dict: req_id -> one entry per prompt token after the first, the same
+    # triples, given once, in the step that finishes the prompt.
+    prompt_logprobs_dict: dict[str, list[tuple[list[int], list[float], int]]] = field(
+        default_factory=dict)
 
 
 @dataclass
@@ -85,7 +93,7 @@ class ExecuteModelState:
             self.spec_decode_metadata, sampled_token_ids)
 
 
-class ModelRunner(KVConnectorModelRunnerMixin):
+class ModelRunner(LogprobsRunnerMixin, KVConnectorModelRunnerMixin):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, dtype: torch.dtype,
                  kv_connector: Any = None) -> None:
         self.vllm_config = vllm_config
@@ -97,7 +105,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len,
                                       -(-self.max_model_len // self.block_size), self.block_size)
-        self.sampler = Sampler()
+        self.sampler = Sampler(vllm_config.model_config.logprobs_mode)
         self.model: Any = None
         self.kv_caches: list[torch.Tensor] = []
         self.execute_model_state: Optional[ExecuteModelState] = None
@@ -309,7 +317,9 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             self._draft_token_ids = self.propose_draft_token_ids(sampled_token_ids, state)
         batch = self.input_batch
         return ModelRunnerOutput(list(batch.req_ids), dict(batch.req_id_to_index),
-                                 sampled_token_ids, kv_connector_output=state.kv_connector_output)
+                                 sampled_token_ids, kv_connector_output=state.kv_connector_output,
+                                 logprobs=self._take_logprobs(sampled_token_ids),
+                                 prompt_logprobs_dict=self._get_prompt_logprobs_dict(state))
 
     def _prepare_sampling(self, seq_lens: np.ndarray) -> tuple[SamplingMetadata, np.ndarray]:
         """-> the batch's ``SamplingMetadata`` and ``partial`` ``[n]``: rows that are a partial
@@ -319,17 +329,21 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         partial = seq_lens < batch.num_tokens[:batch.num_reqs]
         generators = {i: g for i, g in batch.generators.items() if not partial[i]}
         params = [batch.sampling_params[r] for r in batch.req_ids]
+        states = [self.requests[r] for r in batch.req_ids]
         return SamplingMetadata.from_params(
             params, generators, self.device,
-            num_output_tokens=[len(self.requests[r].output_token_ids) for r in batch.req_ids]
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            spec_token_ids=[batch.spec_token_ids.get(r, []) for r in batch.req_ids],
         ), partial
 
     def _sample(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata,
                 partial: np.ndarray) -> list[list[int]]:
         """Regular sampling, one token per request from ``logits`` ``[n, vocab]`` ([] for a
         partial prefill chunk)."""
-        sampled = self.sampler(logits, sampling_metadata).tolist()
-        return [[] if partial[i] else [t] for i, t in enumerate(sampled)]
+        out = self.sampler.sample_output(logits, sampling_metadata)
+        self._keep_logprobs_rows(out.logprobs, list(range(len(partial))))
+        return [[] if partial[i] else [t] for i, t in enumerate(out.sampled_token_ids.tolist())]
 
     def _rejection_sample(self, spec_md: SpecDecodeMetadata, logits: torch.Tensor,
                           sampling_metadata: SamplingMetadata,
@@ -337,11 +351,13 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         """Article step 7: the rejection sampler instead of regular sampling. ``logits`` ``[S,
         vocab]`` are the rows of ``spec_md.logits_indices``. -> per request the accepted drafts
         and one recovered or bonus token ([] for a partial prefill chunk)."""
-        bonus = self.sampler(logits[spec_md.bonus_logits_indices], sampling_metadata,
-                             num_draft_tokens=spec_md.num_draft_tokens)
+        bonus = self.sampler.sample_output(logits[spec_md.bonus_logits_indices], sampling_metadata,
+                                           num_draft_tokens=spec_md.num_draft_tokens)
         out = self.rejection_sampler(spec_md, self._scheduled_draft_probs(spec_md),
                                      logits[spec_md.target_logits_indices],
-                                     bonus.view(-1, 1).to(torch.int32), sampling_metadata)
+                                     bonus.sampled_token_ids.view(-1, 1).to(torch.int32),
+                                     sampling_metadata)
+        self._keep_spec_logprobs_rows(spec_md, logits, bonus.logprobs)
         if trace.is_recording() and self.rejection_sampler.last_record is not None:
             for i, rec in enumerate(self.rejection_sampler.last_record):
                 if spec_md.num_draft_tokens[i]:

@@ -106,6 +106,8 @@ class LLMEngine:
         """The checks of ``params`` that need the model (vLLM's ``InputProcessor``): token ids
         inside the vocabulary, ``bad_words`` tokenised, ``logprobs`` within ``max_logprobs``."""
         params.verify_for_model(self.vllm_config.hf_config.vocab_size, self.tokenizer)
+        if params.n != 1:
+            raise ValueError(f"n must be 1 here (parallel sampling is not built yet), got {params.n}.")
         max_logprobs = self.vllm_config.model_config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)

@@ -167,3 +167,26 @@ def test_curve_config_is_checked_before_any_weights_load(tmp_path, caplog):
         assert caplog.records == []
         warn_if_open("0.0.0.0")
     assert "curve_secret_key_file" in caplog.text and "0.0.0.0" in caplog.text
+
+
+def test_allowed_keys_follow_the_folder(tmp_path, caplog):
+    """P's ZAP callback: the folder's keys and P's own are allowed; a key removed from the folder
+    is refused within a second, logged once (its public key, never a secret)."""
+    import os
+    import time
+    import zmq.auth
+    from minivllm.disagg.keys import make_keys
+    from minivllm.distributed.kv_transfer.zmq_pull_curve import _AllowedKeys
+    keys = make_keys(str(tmp_path / "keys"), 1)
+    own = zmq.auth.load_certificate(keys["prefill"]["curve_public_key_file"])[0]
+    d0 = zmq.auth.load_certificate(keys["decode0"]["curve_public_key_file"])[0]
+    allowed = _AllowedKeys(keys["prefill"]["curve_allowed_clients_dir"], own)
+    assert allowed.callback("*", own) and allowed.callback("*", d0)
+    os.remove(os.path.join(keys["prefill"]["curve_allowed_clients_dir"], "decode0.key"))
+    time.sleep(1.1)
+    with caplog.at_level(logging.WARNING):
+        assert not allowed.callback("*", d0) and not allowed.callback("*", d0)
+    assert allowed.callback("*", own)
+    assert len(caplog.records) == 1 and d0.decode() in caplog.text
+    secret = zmq.auth.load_certificate(keys["decode0"]["curve_secret_key_file"])[1]
+    assert secret.decode() not in caplog.text

@@ -8,9 +8,9 @@ calls ``zmq.auth.create_certificates``):
 - ``curve_secret_key_file``: this instance's ``NAME.key_secret`` (it holds both halves);
 - ``curve_public_key_file``: optional, its ``NAME.key``; checked to match the secret file;
 - ``curve_allowed_clients_dir`` (P): a folder of the allowed clients' ``*.key`` files. P's own key
-  is always allowed (P's scheduler half registers its holds on the same channel). A key missing
-  from the folder makes the folder be read again (at most once a second), so a new decode
-  instance needs no restart of P;
+  is always allowed (P's scheduler half registers its holds on the same channel). The folder is
+  read again at most once a second, so adding or removing a decode instance's key needs no
+  restart of P (every side-channel message opens a connection, checked anew);
 - ``curve_server_public_key_file`` (D): P's ``NAME.key``. Every prefill instance a D pulls from
   must share that one server keypair (the cluster's "side channel certificate").
 
@@ -103,7 +103,7 @@ class _AllowedKeys:
 
     def callback(self, domain: str, key: bytes) -> bool:
         with self._lock:
-            if key not in self._keys and time.monotonic() - self._read_at > 1.0:
+            if time.monotonic() - self._read_at > 1.0:     # keys added or removed
                 self._reload()
             if key in self._keys:
                 return True

@@ -190,3 +190,21 @@ def test_allowed_keys_follow_the_folder(tmp_path, caplog):
     assert len(caplog.records) == 1 and d0.decode() in caplog.text
     secret = zmq.auth.load_certificate(keys["decode0"]["curve_secret_key_file"])[1]
     assert secret.decode() not in caplog.text
+
+
+def test_a_server_without_the_password_stops_at_start(store, tiny_llama_dir):
+    """``python -m minivllm.serve`` given the store's URL without its password ends at once (no
+    retry loop, before any weights load) with the error naming the store."""
+    import json
+    import time
+    kv = {"kv_connector": "RedisStoreConnector", "kv_role": "kv_consumer",
+          "kv_connector_extra_config": {"url": f"redis://:nope@127.0.0.1:{store['port']}/0",
+                                        "on_unavailable": "recompute"}}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "minivllm.serve", "--model", tiny_llama_dir,
+                        "--port", str(free_port()), "--kv-transfer-config", json.dumps(kv)],
+                       capture_output=True, text=True, timeout=120, env=child_env())
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and time.monotonic() - t0 < 60
+    assert f"the KV store at redis://:***@127.0.0.1:{store['port']}/0 refused" in out, out[-2000:]
+    assert "nope" not in out and store["password"] not in out

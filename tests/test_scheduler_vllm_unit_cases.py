@@ -205,3 +205,24 @@ def test_zmq_pull_reads_remote_block_ids_one_list_per_group():
     (meta,) = so.kv_connector_metadata.reqs_to_recv
     assert meta.req_id == "one" and meta.remote_block_ids == [3, 4, 5]
     assert so.num_scheduled_tokens == {"two": 40}             # recomputed
+
+
+class HitConnector(ParkingConnector):
+    """Every request has 32 external tokens, loaded in this step's forward."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 32, False
+
+
+if "TestHitConnector" not in KVConnectorFactory._registry:
+    KVConnectorFactory.register_connector("TestHitConnector", HitConnector)
+
+
+def test_a_request_that_reads_no_cache_takes_no_external_hit():
+    """vLLM: ``skip_reading_prefix_cache`` zeroes the connector's hit as well as the local one."""
+    sched = make_scheduler(connector="TestHitConnector")
+    plain, scoring = add(sched, "plain", 64), add(sched, "scoring", 64, first=1000)
+    scoring.skip_reading_prefix_cache = True
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"plain": 32, "scoring": 64}
+    assert plain.num_external_computed_tokens == 32 and scoring.num_external_computed_tokens == 0

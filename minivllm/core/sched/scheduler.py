@@ -224,12 +224,12 @@ class Scheduler(KVTransferMixin):
 
     def _get_computed_tokens(self, request: Request) -> Optional[ComputedTokens]:
         """P/D "cache lookup": the local prefix cache first, then the connector's
-        ``get_num_new_matched_tokens`` for what lies beyond it (prefill: always 0; decode: maybe a
-        hit). None when the connector asks to be asked again later."""
+        ``get_num_new_matched_tokens`` for what lies beyond it (prefill: 0; decode: maybe a hit;
+        none if the request reads no cache). None when the connector asks to be asked again later."""
         new_computed_blocks, num_new_local_computed_tokens = (
             self.kv_cache_manager.get_computed_blocks(request))
         num_external_computed_tokens, load_kv_async = 0, False
-        if self.connector is not None:
+        if self.connector is not None and not request.skip_reading_prefix_cache:
             num_external_computed_tokens, load_kv_async = (
                 self.connector.get_num_new_matched_tokens(request, num_new_local_computed_tokens))
             if num_external_computed_tokens is None:

@@ -11,6 +11,7 @@ from minivllm.model_executor.linear import Linear
 def no_route_cache(monkeypatch):
     """These tests watch the timing itself: no choices from (or into) the on-disk cache."""
     monkeypatch.setenv("MINIVLLM_ROUTE_CACHE", "0")
+    monkeypatch.setenv("MINIVLLM_TUNING_BUDGET_S", "inf")
 
 
 def test_choice_is_timed_once_per_shape_and_bucket(monkeypatch):

@@ -22,6 +22,7 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("MINIVLLM_ROUTE_CACHE", raising=False)
     monkeypatch.delenv("MINIVLLM_LINEAR_ROUTE", raising=False)
+    monkeypatch.setenv("MINIVLLM_TUNING_BUDGET_S", "inf")
     monkeypatch.setattr(kc, "CHOICES", kc.KernelChoices())
     timed = []
     real = kc._time_candidates
@@ -106,7 +107,8 @@ def test_llm_in_a_fresh_process_uses_the_stored_choices(tiny_llama_dir, tmp_path
             f"llm = tiny_llm({tiny_llama_dir!r}, dtype='float32')\n"
             "print('CHOSEN', len(llm.llm_engine.engine_core.worker.model_runner.model"
             ".kernel_choices.chosen))\n")
-    env = {**os.environ, "MINIVLLM_CACHE_DIR": str(tmp_path), "PYTHONPATH": ROOT}
+    env = {**os.environ, "MINIVLLM_CACHE_DIR": str(tmp_path), "PYTHONPATH": ROOT,
+           "MINIVLLM_TUNING_BUDGET_S": "inf"}
     env.pop("MINIVLLM_LINEAR_ROUTE", None)
     env.pop("MINIVLLM_ROUTE_CACHE", None)
     outs = [subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
@@ -116,3 +118,26 @@ def test_llm_in_a_fresh_process_uses_the_stored_choices(tiny_llama_dir, tmp_path
     timed = [int(o.stdout.split(" shapes timed")[0].rsplit(", ", 1)[1]) for o in outs]
     assert timed[0] > 0 and timed[1] == 0, [o.stdout[-500:] for o in outs]
     assert outs[0].stdout.split("CHOSEN")[1] == outs[1].stdout.split("CHOSEN")[1]
+
+
+def test_the_tuning_budget_leaves_the_rest_on_f_linear_for_a_later_process(cache, monkeypatch):
+    """Budget 0: nothing is timed, every layer runs F.linear, nothing is stored; the next process
+    (no limit) times all of it and stores it. Within a budget, decode rows (1) come first."""
+    tmp, timed = cache
+    monkeypatch.setenv("MINIVLLM_TUNING_BUDGET_S", "0")
+    m = model()
+    process_weights_after_loading(m)
+    assert timed == [] and set(kc.CHOICES.chosen.values()) == {"f_linear"}
+    assert kc.CHOICES.provisional == set(kc.CHOICES.chosen) and not os.listdir(tmp)
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(m[0](x), torch.nn.functional.linear(x, m[0].weight, m[0].bias))
+    monkeypatch.setattr(kc, "CHOICES", kc.KernelChoices())
+    monkeypatch.setenv("MINIVLLM_TUNING_BUDGET_S", "inf")
+    process_weights_after_loading(model())
+    assert len(timed) == 2 * len(kc.ROW_BUCKETS) and not kc.CHOICES.provisional
+    assert len(json.load(open(tmp / os.listdir(tmp)[0]))["choices"]) == 2 * len(kc.ROW_BUCKETS)
+    order = [key[4] for key in kc.CHOICES.timings_us]      # dicts keep the timing order
+    assert order == sorted(order) and order[:2] == [1, 1]
+    monkeypatch.setenv("MINIVLLM_TUNING_BUDGET_S", "soon")
+    with pytest.raises(ValueError, match="MINIVLLM_TUNING_BUDGET_S"):
+        kc.tuning_budget()

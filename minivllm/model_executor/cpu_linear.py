@@ -7,7 +7,8 @@ of the model's ``Linear`` layers at every row bucket (``kernel_choice``), gives 
 ``CPUUnquantizedLinearMethod``, and hands it the packed copies its routes read, so no step pays for
 either. ``MINIVLLM_LINEAR_ROUTE=f_linear`` leaves every layer on the plain ``F.linear`` method;
 another fixed route installs this method without timing. Choices timed once on this machine are
-read back from disk (``route_cache``), so a later process times nothing.
+read back from disk (``route_cache``), so a later process times nothing; the timing of one load
+stops at ``kernel_choice.tuning_budget()`` seconds, and what it did not reach runs ``F.linear``.
 
 Per call the method looks up the route measured for the row count and runs it; CUDA, non-2-D and
 empty inputs, and autograd, still take ``F.linear``. All routes agree with ``F.linear`` to float32
@@ -26,7 +27,7 @@ from minivllm.model_executor import kernel_choice, route_cache
 from minivllm.model_executor.kernel_choice import (CANDIDATES, MAX_TUNED_ROWS, PREPARE,
                                                    ROW_BUCKETS, KernelChoices, choose,
                                                    forced_route, packing_allowed,
-                                                   prepare_operands, shape_key)
+                                                   prepare_operands, shape_key, tuning_budget)
 from minivllm.model_executor.linear import Linear, UnquantizedLinearMethod
 
 
@@ -104,6 +105,41 @@ def process_weights_after_loading(model: nn.Module) -> KernelChoices:
     if forced == "f_linear":
         return kernel_choice.CHOICES
     t0 = time.perf_counter()
+    shapes = _install_cpu_methods(model)
+    if forced or not shapes:   # a fixed route: nothing to time, copies are made on first use
+        return kernel_choice.CHOICES
+    choices = kernel_choice.CHOICES
+    cache_key = route_cache.machine(packing_allowed()) if route_cache.enabled() else None
+    if cache_key is not None:   # what an earlier process on this machine chose
+        for key, route in route_cache.load(cache_key, CANDIDATES).items():
+            choices.chosen.setdefault(key, route)
+    num_timed = len(choices.timings_us)
+    prepared = _time_routes(shapes, deadline=t0 + tuning_budget())
+    for i, (mods, weights) in enumerate(shapes):
+        # The layers keep the copies their routes read (so the first step does not pay for
+        # them); the rest are dropped here.
+        routes = {choices.chosen[shape_key(weights[0], m)] for m in ROW_BUCKETS}
+        copies = prepared.get(i, {})
+        if (routes & set(PREPARE)) - set(copies):
+            with torch.no_grad():
+                copies.update(prepare_operands(weights, (routes & set(PREPARE)) - set(copies)))
+        for name in routes & set(copies):
+            for mod, copy in zip(mods, copies[name]):
+                mod.quant_method.set_prepared(mod, name, copy)
+    if cache_key is not None and len(choices.timings_us) > num_timed:
+        route_cache.save(cache_key, {k: r for k, r in choices.chosen.items()
+                                     if k not in choices.provisional})
+    kernel_choice.logger.info("linear kernel choice (%.2f s this call, %d shapes timed, %d left "
+                              "on F.linear for now): %s", time.perf_counter() - t0,
+                              len(choices.timings_us) - num_timed, len(choices.provisional),
+                              "; ".join(choices.summary()))
+    return choices
+
+
+def _install_cpu_methods(model: nn.Module) -> list[tuple[list[Linear], list[torch.Tensor]]]:
+    """Give each CPU ``Linear`` without one a ``CPUUnquantizedLinearMethod``; -> per distinct
+    weight shape and dtype, its layers and their distinct weights (a tied LM head is the
+    embedding's weight: one entry per tensor)."""
     seen: dict[tuple, list[Linear]] = {}
     for mod in model.modules():
         if not isinstance(mod, Linear) or isinstance(mod.quant_method, CPUUnquantizedLinearMethod):
@@ -112,31 +148,31 @@ def process_weights_after_loading(model: nn.Module) -> KernelChoices:
         if w.device.type == "cpu" and not w.is_meta:
             mod.quant_method = CPUUnquantizedLinearMethod()
             seen.setdefault((tuple(w.shape), w.dtype), []).append(mod)
-    if forced:   # a fixed route: nothing to time, copies are made on first use
-        return kernel_choice.CHOICES
-    choices = kernel_choice.CHOICES
-    cache_key = route_cache.machine(packing_allowed()) if route_cache.enabled() else None
-    if cache_key is not None:   # what an earlier process on this machine chose
-        for key, route in route_cache.load(cache_key, CANDIDATES).items():
-            choices.chosen.setdefault(key, route)
-    num_timed = len(choices.timings_us)
+    shapes = []
     for mods in seen.values():
-        # A tied LM head is the embedding's weight: one copy per distinct tensor.
         mods = list({id(mod.weight): mod for mod in mods}.values())
-        weights = [mod.weight for mod in mods]
-        known = [choices.chosen.get(shape_key(weights[0], m)) for m in ROW_BUCKETS]
-        with torch.no_grad():   # made once per shape, for every row bucket (known: only those used)
-            prepared = prepare_operands(weights, None if None in known else set(known))
-        routes = {choose(weights[0], m, weights, prepared) for m in ROW_BUCKETS}
-        # The layers keep the copies their routes read (so the first step does not pay for
-        # them); the rest are dropped here.
-        for name in routes & set(prepared):
-            for mod, copy in zip(mods, prepared[name]):
-                mod.quant_method.set_prepared(mod, name, copy)
-    if cache_key is not None and len(choices.timings_us) > num_timed:
-        route_cache.save(cache_key, choices.chosen)
-    if seen:
-        kernel_choice.logger.info("linear kernel choice (%.2f s this call, %d shapes timed): %s",
-                                  time.perf_counter() - t0, len(choices.timings_us) - num_timed,
-                                  "; ".join(choices.summary()))
-    return choices
+        shapes.append((mods, [mod.weight for mod in mods]))
+    return shapes
+
+
+def _time_routes(shapes: list[tuple[list[Linear], list[torch.Tensor]]],
+                 deadline: float) -> dict[int, dict[str, list[torch.Tensor]]]:
+    """Time each (shape, row bucket) not chosen yet, fewest rows first (decode steps are most of a
+    generation), until ``deadline``. What is left runs ``F.linear`` in this process only
+    (``CHOICES.provisional``: never stored, so a later process times it within its own budget).
+    -> the prepared copies made for the timing, by index into ``shapes``."""
+    choices, prepared = kernel_choice.CHOICES, {}
+    for m in ROW_BUCKETS:
+        for i, (_, weights) in enumerate(shapes):
+            key = shape_key(weights[0], m)
+            if key in choices.chosen:
+                continue
+            if time.perf_counter() > deadline:
+                choices.chosen[key] = "f_linear"
+                choices.provisional.add(key)
+                continue
+            if i not in prepared:
+                with torch.no_grad():
+                    prepared[i] = prepare_operands(weights)   # once per shape, every bucket
+            choose(weights[0], m, weights, prepared[i])
+    return prepared

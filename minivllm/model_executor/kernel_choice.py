@@ -30,9 +30,11 @@ SmolLM2 (F.linear without bias *is* that matmul on the CPU), so it was dropped.
 Which one wins depends on the CPU, the BLAS, the dtype, the weight's shape and the row count, so
 it is measured once per ``(device, dtype, out, in, row bucket)`` (rows rounded up to a power of
 two, up to ``MAX_TUNED_ROWS``; every larger count, a prefill, shares one bucket timed at
-``MANY_ROWS`` rows) and cached for the process. A
+``MANY_ROWS`` rows), kept for the process and on disk for the next one (``route_cache.py``). A
 candidate replaces ``f_linear`` only if it is at least ``MIN_GAIN`` faster: on a busy machine most
-shapes differ by noise, and then the default (and its summation order) is kept.
+shapes differ by noise, and then the default (and its summation order) is kept. One model's load
+times for at most ``MINIVLLM_TUNING_BUDGET_S`` seconds (default 2), fewest rows first; what is
+left runs ``f_linear`` until a later process times it.
 ``MINIVLLM_LINEAR_ROUTE=<candidate>`` fixes the choice (for tests and for comparisons);
 ``MINIVLLM_LINEAR_PACK=0`` keeps the timing but leaves out the prepared-weight candidates, so no
 layer holds a second copy of its weight (float32 SmolLM2 after load: 1,091 MB resident against
@@ -128,6 +130,8 @@ class KernelChoices:
     """The process-wide cache: shape key -> chosen candidate, with the timings that chose it."""
     chosen: dict[ShapeKey, str] = field(default_factory=dict)
     timings_us: dict[ShapeKey, dict[str, float]] = field(default_factory=dict)
+    # Left on f_linear untimed when the tuning budget ran out: kept out of the on-disk cache.
+    provisional: set[ShapeKey] = field(default_factory=set)
     tuning_seconds: float = 0.0
 
     def summary(self) -> list[str]:
@@ -146,6 +150,19 @@ def forced_route() -> Optional[str]:
     if route and route not in CANDIDATES:
         raise ValueError(f"MINIVLLM_LINEAR_ROUTE={route!r}: use one of {sorted(CANDIDATES)}.")
     return route or None
+
+
+def tuning_budget() -> float:
+    """Seconds of wall time one model's load may spend timing routes (``MINIVLLM_TUNING_BUDGET_S``,
+    default 2): on a busy machine the timing would otherwise take tens of seconds."""
+    value = os.environ.get("MINIVLLM_TUNING_BUDGET_S", "2")
+    try:
+        budget = float(value)
+    except ValueError:
+        budget = -1.0
+    if not budget >= 0:
+        raise ValueError(f"MINIVLLM_TUNING_BUDGET_S={value!r}: use a number of seconds >= 0 (inf: no limit).")
+    return budget
 
 
 def packing_allowed() -> bool:

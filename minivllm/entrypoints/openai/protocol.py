@@ -70,6 +70,12 @@ class _SamplingFields(OpenAIBaseModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     n: Annotated[int, Field(ge=1, le=INT64_MAX, description="Only 1 is supported.")] = 1
+    # OpenAI's penalties and bias, vLLM's repetition_penalty and min_p (SamplingParams' ranges).
+    presence_penalty: Optional[Annotated[Float, Field(ge=-2.0, le=2.0)]] = None
+    frequency_penalty: Optional[Annotated[Float, Field(ge=-2.0, le=2.0)]] = None
+    repetition_penalty: Optional[Annotated[Float, Field(gt=0.0, le=1e9)]] = None
+    min_p: Optional[Annotated[Float, Field(ge=0.0, le=1.0)]] = None
+    logit_bias: Optional[dict[str, Annotated[Float, Field(ge=-100.0, le=100.0)]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
@@ -78,8 +84,15 @@ class _SamplingFields(OpenAIBaseModel):
         """``ValueError`` (HTTP 400) for what this server does not do, before anything is queued."""
         if self.n != 1:
             raise ValueError(f"n: only n=1 is supported, got {self.n}.")
-        if getattr(self, "logprobs", None) not in (None, False, 0):
-            raise ValueError("logprobs: not supported by this server.")
+        if self.stream and self.num_logprobs() is not None:
+            raise ValueError("logprobs: not supported with stream=true by this server.")
+        for t in self.logit_bias or {}:
+            if not t.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias: keys must be token ids, got {t!r}.")
+
+    def num_logprobs(self) -> Optional[int]:
+        """SamplingParams.logprobs: top-k per output token, or None."""
+        return None
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         extra = ({"kv_transfer_params": self.kv_transfer_params}
@@ -90,25 +103,38 @@ class _SamplingFields(OpenAIBaseModel):
             top_k=0 if self.top_k in (None, -1) else self.top_k,
             max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output, extra_args=extra)
+            include_stop_str_in_output=self.include_stop_str_in_output, extra_args=extra,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0, logit_bias=self.logit_bias, logprobs=self.num_logprobs())
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
     max_tokens: Optional[Annotated[int, Field(ge=1, le=INT64_MAX)]] = 16   # OpenAI's default
     echo: bool = False
-    logprobs: Optional[Annotated[int, Field(ge=0)]] = Field(None, description="Not supported.")
+    logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
 
-    def get_prompt(self) -> Union[str, dict]:
-        """One prompt: a string or token ids (``{"prompt_token_ids": [...]}``)."""
+    def num_logprobs(self) -> Optional[int]:
+        return self.logprobs
+
+    def get_prompts(self) -> list[Union[str, dict]]:
+        """The prompts, one choice each (as vLLM): a string, token ids, or a list of either."""
         p = self.prompt
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]
         if isinstance(p, str):
-            return p
-        if isinstance(p, list) and all(isinstance(t, int) for t in p):
-            return {"prompt_token_ids": p}
-        raise ValueError("prompt: give one prompt per request (a string or a list of token ids).")
+            return [p]
+        if p and all(isinstance(t, int) for t in p):
+            return [{"prompt_token_ids": p}]
+        if p and all(isinstance(x, str) for x in p):
+            if self.stream and len(p) > 1:
+                raise ValueError("prompt: a list of prompts cannot be streamed by this server.")
+            return list(p)
+        if p and all(isinstance(x, list) for x in p):
+            if self.stream and len(p) > 1:
+                raise ValueError("prompt: a list of prompts cannot be streamed by this server.")
+            return [{"prompt_token_ids": x} for x in p]
+        raise ValueError("prompt: a string, a list of token ids, or a non-empty list of either.")
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -122,7 +148,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Optional[Annotated[int, Field(ge=1, le=INT64_MAX)]] = None
     max_completion_tokens: Optional[Annotated[int, Field(ge=1, le=INT64_MAX)]] = None
     add_generation_prompt: bool = True
-    logprobs: Optional[bool] = Field(None, description="Not supported.")
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
+
+    def num_logprobs(self) -> Optional[int]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs=true.")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def get_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
@@ -159,7 +191,7 @@ class UsageInfo(BaseModel):
 
 class _ChoiceBase(BaseModel):
     index: int
-    logprobs: None = None
+    logprobs: Optional[dict[str, Any]] = None
     finish_reason: Optional[Literal["stop", "length", "abort"]]
     stop_reason: Optional[Union[int, str]] = None
 

@@ -70,7 +70,7 @@ class OpenAIServing:
 
     def _prepare(self, body: Union[CompletionRequest, ChatCompletionRequest]):
         """Everything that can make a request invalid, checked before it is queued. Returns
-        ((prompt, SamplingParams), None) or (None, an error response)."""
+        ([(prompt, SamplingParams), ...], None), one pair per prompt, or (None, an error response)."""
         if body.model is not None and body.model != self.model_name:
             return None, error_response(f"The model `{body.model}` does not exist.", 404, "model")
         try:
@@ -79,35 +79,46 @@ class OpenAIServing:
             except ValueError as e:
                 raise BadRequest(str(e).split(":")[0], str(e)) from e
             if isinstance(body, ChatCompletionRequest):
-                prompt, param = self._render_chat(body), "messages"
-                max_tokens = body.get_max_tokens()
+                prompts, param = [self._render_chat(body)], "messages"
             else:
                 try:
-                    prompt = body.get_prompt()
+                    prompts = body.get_prompts()
                 except ValueError as e:
                     raise BadRequest("prompt", str(e)) from e
-                param, max_tokens = "prompt", body.max_tokens
-            token_ids = self._tokenize(prompt, param)
-            room = self.max_model_len - len(token_ids)
-            if max_tokens is None:              # vLLM's default: whatever room is left
-                max_tokens = room
-            elif max_tokens > room:             # vLLM refuses; it never clamps silently
-                raise BadRequest("max_tokens",
-                    f"max_tokens: this model's maximum context length is {self.max_model_len} "
-                    f"tokens. However, you requested {len(token_ids) + max_tokens} tokens "
-                    f"({len(token_ids)} in the {param}, {max_tokens} for the completion).")
-            try:
-                params = body.to_sampling_params(max_tokens)
-            except ValueError as e:             # SamplingParams' own checks (min_tokens, stop)
-                field = str(e).split(" ")[0].rstrip(":")
-                if field not in type(body).model_fields:
-                    raise BadRequest(None, str(e)) from e
-                raise BadRequest(field, f"{field}: {e}") from e
+                param = "prompt"
+            prepared = [self._prepare_one(body, prompt, param) for prompt in prompts]
         except BadRequest as e:
             return None, error_response(str(e), 400, e.param)
+        return prepared, None
+
+    def _prepare_one(self, body: Union[CompletionRequest, ChatCompletionRequest],
+                     prompt: Union[str, dict], param: str):
+        """One prompt's (engine prompt, SamplingParams); a ``BadRequest`` if it cannot be served."""
+        max_tokens = body.get_max_tokens() if isinstance(body, ChatCompletionRequest) \
+            else body.max_tokens
+        token_ids = self._tokenize(prompt, param)
+        room = self.max_model_len - len(token_ids)
+        if max_tokens is None:              # vLLM's default: whatever room is left
+            max_tokens = room
+        elif max_tokens > room:             # vLLM refuses; it never clamps silently
+            raise BadRequest("max_tokens",
+                f"max_tokens: this model's maximum context length is {self.max_model_len} "
+                f"tokens. However, you requested {len(token_ids) + max_tokens} tokens "
+                f"({len(token_ids)} in the {param}, {max_tokens} for the completion).")
+        try:
+            params = body.to_sampling_params(max_tokens)
+            # The checks that need the model: token ids in the vocabulary, logprobs <= max.
+            self.engine.verify_sampling_params(params)
+        except ValueError as e:             # SamplingParams' own checks (min_tokens, stop)
+            field = str(e).split(" ")[0].rstrip(":")
+            if field == "token_id(s)":
+                field = "logit_bias"
+            if field not in type(body).model_fields:
+                raise BadRequest(None, str(e)) from e
+            raise BadRequest(field, f"{field}: {e}") from e
         # Token ids from here on: the engine does not tokenize the same text twice.
         return ({"prompt": prompt if isinstance(prompt, str) else None,
-                 "prompt_token_ids": token_ids}, params), None
+                 "prompt_token_ids": token_ids}, params)
 
     # ------------------------------------------------------------------ entry points
     async def create_completion(self, body: CompletionRequest, raw: HTTPRequest):
@@ -120,11 +131,13 @@ class OpenAIServing:
         prepared, err = self._prepare(body)
         if err is not None:
             return err
-        prompt, params = prepared
         base_id = raw.headers.get("X-Request-Id") or random_uuid()
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{base_id}"
-        gen = self.async_llm.generate(request_id, prompt, params)
         headers = {"X-Request-Id": base_id}
+        if len(prepared) > 1:
+            return await self._create_batch(request_id, prepared, raw, headers)
+        prompt, params = prepared[0]
+        gen = self.async_llm.generate(request_id, prompt, params)
         if body.stream:
             try:
                 first = await gen.__anext__()     # surfaces 503 before the stream starts
@@ -144,6 +157,30 @@ class OpenAIServing:
             return error_response("the request's KV cache failed to load", 500)
         return JSONResponse(self._full_response(request_id, final, chat), headers=headers)
 
+    async def _create_batch(self, request_id: str, prepared: list, raw: HTTPRequest,
+                            headers: dict) -> Response:
+        """A completion with a list of prompts: one request each (``{request_id}-{i}``), run
+        together; the response has one choice per prompt, in order, and the summed usage."""
+        gens = [self.async_llm.generate(f"{request_id}-{i}", prompt, params)
+                for i, (prompt, params) in enumerate(prepared)]
+        try:
+            finals = await asyncio.gather(*[_collect_unless_disconnected(g, raw) for g in gens])
+        except (EngineOverloadedError, EngineDeadError, ValueError) as e:
+            for g in gens:
+                await g.aclose()
+            return _engine_error(e)
+        if any(f is None for f in finals):
+            return error_response("client disconnected", 499)
+        body = self._full_response(request_id, finals[0], chat=False)
+        body["choices"] = [self._full_response(request_id, f, chat=False)["choices"][0] | {"index": i}
+                           for i, f in enumerate(finals)]
+        usages = [usage_body(len(f.prompt_token_ids), len(f.outputs[0].token_ids),
+                             f.num_cached_tokens) for f in finals]
+        body["usage"] = usage_body(sum(u["prompt_tokens"] for u in usages),
+                                   sum(u["completion_tokens"] for u in usages),
+                                   sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages))
+        return JSONResponse(body, headers=headers)
+
     # ------------------------------------------------------------------ responses
     def _full_response(self, request_id: str, out: RequestOutput, chat: bool) -> dict:
         c = out.outputs[0]
@@ -153,11 +190,19 @@ class OpenAIServing:
             choice["message"] = {"role": "assistant", "content": c.text}
         else:
             choice["text"] = c.text
+        if c.logprobs is not None:
+            choice["logprobs"] = (chat_logprobs(c, self._top_k(out)) if chat
+                                  else completion_logprobs(c))
         return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": now(), "model": self.model_name, "choices": [choice],
                 "usage": usage_body(len(out.prompt_token_ids), len(c.token_ids),
                                     out.num_cached_tokens),
                 "kv_transfer_params": getattr(out, "kv_transfer_params", None)}
+
+    def _top_k(self, out: RequestOutput) -> int:
+        """How many alternatives each position has (the ranks 1..k present)."""
+        first = out.outputs[0].logprobs[0] if out.outputs[0].logprobs else {}
+        return sum(1 for lp in first.values() if lp.rank is not None and lp.rank <= len(first))
 
     def _chunk(self, request_id: str, chat: bool, delta: Optional[str],
                finish_reason: Optional[str] = None, role: bool = False) -> str:
@@ -211,6 +256,40 @@ class OpenAIServing:
         finally:
             await gen.aclose()                  # aborts the request if it is still running
         yield "data: [DONE]\n\n"
+
+
+def _token_text(lp: Any, token_id: int) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
+
+
+def completion_logprobs(c: Any) -> dict:
+    """OpenAI's completion logprobs (vLLM's ``CompletionLogProbs``): per token its text, logprob,
+    the alternatives by text, and its offset in the text."""
+    tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
+    for tok, pos in zip(c.token_ids, c.logprobs):
+        text = _token_text(pos[tok], tok)
+        tokens.append(text)
+        token_logprobs.append(max(pos[tok].logprob, -9999.0))
+        top.append({_token_text(lp, t): max(lp.logprob, -9999.0) for t, lp in pos.items()})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def chat_logprobs(c: Any, top_k: int) -> dict:
+    """OpenAI's chat logprobs (vLLM's ``ChatCompletionLogProbs``): ``content``, one entry per token
+    with ``token``, ``logprob``, ``bytes`` and its ``top_logprobs`` (the k most likely)."""
+    def entry(t: int, lp: Any) -> dict:
+        text = _token_text(lp, t)
+        return {"token": text, "logprob": max(lp.logprob, -9999.0),
+                "bytes": list(text.encode("utf-8", errors="replace"))}
+    content = []
+    for tok, pos in zip(c.token_ids, c.logprobs):
+        ranked = sorted(((t, lp) for t, lp in pos.items() if lp.rank <= top_k),
+                        key=lambda x: x[1].rank)[:top_k]
+        content.append({**entry(tok, pos[tok]), "top_logprobs": [entry(t, lp) for t, lp in ranked]})
+    return {"content": content}
 
 
 def _engine_error(e: Exception) -> Response:

@@ -1,0 +1,111 @@
+"""The server honours the sampling fields, through the real ``openai`` client against a real
+``python -m minivllm.serve`` process: penalties, logit_bias, min_p, repetition_penalty change the
+answer exactly as ``LLM.generate`` with the same SamplingParams; logprobs in OpenAI's completion and
+chat shapes; a list of prompts gives one choice per prompt; out-of-range values are 400s naming
+the field."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from server_utils import start_server, stop
+
+ARGS = ["--max-model-len", "256", "--num-gpu-blocks-override", "64", "--num-threads", "1",
+        "--seed", "0"]
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_dir, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("serve_sampling") / "server.log")
+    url, proc = start_server(["--model", tiny_chat_dir, "--served-model-name", "smol", *ARGS], log)
+    yield url
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="EMPTY", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_chat_dir):
+    from minivllm import LLM
+    return LLM(model=tiny_chat_dir, max_model_len=256, num_gpu_blocks_override=64, seed=0)
+
+
+def _offline(llm, **kw):
+    from minivllm import SamplingParams
+    params = SamplingParams(**{"temperature": 0, "max_tokens": 10, **kw})
+    return llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+
+
+# A bias makes token 100 repeat; each penalty then turns it away sooner or later.
+BIAS = {"100": 4.0}
+
+
+@pytest.mark.parametrize("kw,extra", [
+    (dict(frequency_penalty=1.5), {}), (dict(presence_penalty=2.0), {}),
+    ({}, dict(repetition_penalty=1.8)),
+])
+def test_penalties_are_honoured(client, llm, kw, extra):
+    got = client.completions.create(model="smol", prompt=PROMPT, max_tokens=10, temperature=0,
+                                    logit_bias=BIAS, extra_body=extra, **kw).choices[0].text
+    bias = {100: 4.0}
+    assert got == _offline(llm, logit_bias=bias, **kw, **extra).text
+    assert got != _offline(llm, logit_bias=bias).text        # the field changes the answer
+    assert _offline(llm, logit_bias=bias).text != _offline(llm).text
+
+
+def test_min_p_is_honoured(client, llm):
+    """min_p acts on random rows: a seeded draw with and without it."""
+    kw = dict(temperature=1.5, seed=3)
+    got = [client.completions.create(model="smol", prompt=PROMPT, max_tokens=10, extra_body={"min_p": m},
+                                     **kw).choices[0].text for m in (0.0, 0.3)]
+    assert got == [_offline(llm, min_p=m, **kw).text for m in (0.0, 0.3)]
+    assert got[0] != got[1]
+
+
+def test_completion_logprobs_shape(client, llm):
+    r = client.completions.create(model="smol", prompt=PROMPT, max_tokens=6, temperature=0,
+                                  logprobs=3)
+    lp = r.choices[0].logprobs
+    want = _offline(llm, logprobs=3)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    for got, pos, tok in zip(lp.token_logprobs, want.logprobs, want.token_ids):
+        assert got == pytest.approx(pos[tok].logprob, abs=1e-4) and got <= 0
+    assert all(3 <= len(t) <= 4 for t in lp.top_logprobs)
+    assert lp.text_offset[0] == 0
+
+
+def test_chat_logprobs_shape(client):
+    r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= -9999
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+
+
+def test_list_of_prompts_gives_one_choice_each(client, llm):
+    prompts = [PROMPT, "Once upon a time"]
+    r = client.completions.create(model="smol", prompt=prompts, max_tokens=5, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    from minivllm import SamplingParams
+    want = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert [c.text for c in r.choices] == [w.outputs[0].text for w in want]
+    assert r.usage.completion_tokens == 10
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(frequency_penalty=3.0), "frequency_penalty"), (dict(presence_penalty=-2.5), "presence_penalty"),
+    (dict(logit_bias={"999999": 1.0}), "logit_bias"), (dict(logprobs=50), "logprobs"),
+    (dict(extra_body={"min_p": 1.5}), "min_p"), (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+])
+def test_out_of_range_is_400_naming_the_field(client, kw, field):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smol", prompt=PROMPT, max_tokens=3, **kw)
+    assert field in str(e.value)

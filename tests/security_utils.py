@@ -75,7 +75,8 @@ def start(module_args: list[str], log_path: str, url: str, ready: str = "/health
 
 
 def assert_no_secrets(paths: list[str], secrets: list[str], allowed: dict | None = None) -> None:
-    """No secret in any file of ``paths``; ``allowed``: {path: (secret, times)} printed on purpose."""
+    """No secret in any file of ``paths``; ``allowed``: {path: (secret, times)}, shown on
+    purpose."""
     assert paths and all(s for s in secrets)
     for path in paths:
         text = open(path, errors="replace").read()

@@ -105,8 +105,10 @@ def _spawn(cluster: Cluster, name: str, args: list[str], env: dict) -> subproces
 
 def _start_redis(cluster: Cluster, env: dict, timeout: float,
                  password_file: Optional[str] = None) -> str:
-    guard = ["--password-file", password_file, "--print-url-without-password"] if password_file else []
-    p = subprocess.Popen([sys.executable, "-m", "minivllm.kvstore", "--port", str(free_port()), *guard],
+    guard = (["--password-file", password_file, "--print-url-without-password"]
+             if password_file else [])
+    p = subprocess.Popen([sys.executable, "-m", "minivllm.kvstore", "--port", str(free_port()),
+                          *guard],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
                          start_new_session=True)
     cluster.procs["kvstore"] = p
@@ -252,7 +254,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--server-args", default="",
                     help="extra flags for every server, e.g. \"--max-model-len 2048\"")
     ap.add_argument("--api-key", default=None,
-                    help="every server and the proxy require it; 'auto': a random key, printed once")
+                    help="every server and the proxy require it ('auto': a random key, printed "
+                         "once)")
     ap.add_argument("--secure", action="store_true",
                     help="--api-key auto (unless given), a Redis password or CURVE keys, in a "
                          "private temporary folder")

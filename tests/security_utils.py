@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import re
 import subprocess
 import sys
 import time
@@ -84,3 +85,11 @@ def assert_no_secrets(paths: list[str], secrets: list[str], allowed: dict | None
             want = (allowed or {}).get(path, (None, 0))
             n = text.count(s)
             assert n == (want[1] if want[0] == s else 0), f"{path}: a secret appears {n} times"
+
+
+def metric(url: str, name: str, verify=True) -> float:
+    """One sample of ``GET /metrics`` (``server_utils.metric``, over HTTPS too)."""
+    text = httpx.get(url + "/metrics", timeout=10, verify=verify).text
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert m is not None, f"{name} missing from /metrics"
+    return float(m.group(1))

@@ -1,7 +1,8 @@
 """A secured P/D cluster on "two hosts" of one machine: ``python -m minivllm.disagg.launch
 --secure --kv-connector ZmqPullConnector`` with P (and its side channel) on 127.0.0.1 and D on
 127.0.0.2 (Linux routes all of 127/8 to loopback), so no code may assume one address. The
-launcher makes an API key (printed once) and CURVE keypairs; P serves its KV only to D's key.
+launcher makes an API key (printed once) and CURVE keypairs; P serves its KV only to D's key;
+every server and the proxy serve HTTPS with a certificate from a throwaway CA.
 
 - 8 requests through the proxy, with the key, through the ``openai`` client (streamed and not),
   give one instance's greedy output, and D pulled the prompts' KV from P;
@@ -19,6 +20,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -27,8 +29,8 @@ import httpx
 import openai
 import pytest
 
-from security_utils import assert_no_secrets, start
-from server_utils import child_env, free_port, metric, pid_alive, stop
+from security_utils import assert_no_secrets, make_tls, metric, start
+from server_utils import child_env, free_port, pid_alive, stop
 
 NUM_REQUESTS = 8
 LEASE_S = 6.0
@@ -42,12 +44,14 @@ SERVER_ARGS = "--max-model-len 512 --num-gpu-blocks-override 128"
 def cluster(tiny_chat_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("secure_cluster")
     log_path = str(folder / "launch.log")
+    tls = make_tls(str(folder))
     proc = subprocess.Popen(
         [sys.executable, "-m", "minivllm.disagg.launch", "--prefill", "1", "--decode", "1",
          "--port", str(free_port()), "--model", tiny_chat_dir, "--num-threads", "2",
          "--kv-connector", "ZmqPullConnector", "--server-args", SERVER_ARGS, "--secure",
          "--prefill-host", "127.0.0.1", "--decode-host", "127.0.0.2",
-         "--kv-extra-config", json.dumps({"kv_lease_duration": LEASE_S})],
+         "--kv-extra-config", json.dumps({"kv_lease_duration": LEASE_S}),
+         "--ssl-keyfile", tls["key"], "--ssl-certfile", tls["cert"], "--backend-ca", tls["ca"]],
         stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=child_env())
     info, key, deadline = None, None, time.monotonic() + 240
     while info is None and time.monotonic() < deadline and proc.poll() is None:
@@ -63,7 +67,8 @@ def cluster(tiny_chat_dir, tmp_path_factory):
         secret_keys = [re.search(r'secret-key = "(.+)"', open(os.path.join(curve, f)).read())
                        .group(1) for f in os.listdir(curve) if f.endswith(".key_secret")]
         yield {**info, "key": key, "launcher": proc, "log": log_path, "folder": folder,
-               "secret_keys": secret_keys}
+               "secret_keys": secret_keys,
+               "verify": ssl.create_default_context(cafile=tls["ca"])}
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -89,10 +94,11 @@ def body(i: int, **kw) -> dict:
 
 
 def test_two_hosts_secured_cluster_equals_one_instance(cluster, tiny_chat_dir, reference):
-    assert cluster["prefill"][0].startswith("http://127.0.0.1:")
-    assert cluster["decode"][0].startswith("http://127.0.0.2:")
+    assert cluster["prefill"][0].startswith("https://127.0.0.1:")
+    assert cluster["decode"][0].startswith("https://127.0.0.2:")
+    v = cluster["verify"]
     client = openai.OpenAI(base_url=cluster["proxy"] + "/v1", api_key=cluster["key"],
-                           max_retries=0, timeout=120)
+                           max_retries=0, timeout=120, http_client=httpx.Client(verify=v))
 
     def complete(i: int) -> str:
         kw = dict(model=tiny_chat_dir, prompt=PROMPTS[i], max_tokens=8, temperature=0,
@@ -105,16 +111,17 @@ def test_two_hosts_secured_cluster_equals_one_instance(cluster, tiny_chat_dir, r
     with cf.ThreadPoolExecutor(4) as pool:
         got = list(pool.map(complete, range(NUM_REQUESTS)))
     assert got == reference
-    records = httpx.get(cluster["proxy"] + "/proxy/requests",
+    records = httpx.get(cluster["proxy"] + "/proxy/requests", verify=v,
                         headers={"Authorization": f"Bearer {cluster['key']}"}).json()
     assert all(r["kv_transfer_params"]["remote_host"] == "127.0.0.1" for r in records)
     d, p = cluster["decode"][0], cluster["prefill"][0]
-    assert metric(d, "minivllm:kv_connector_worker_num_loaded_tokens_total") >= 32 * NUM_REQUESTS
-    assert metric(d, "minivllm:kv_connector_worker_num_load_errors_total") == 0
+    assert metric(d, "minivllm:kv_connector_worker_num_loaded_tokens_total", v) >= \
+        32 * NUM_REQUESTS
+    assert metric(d, "minivllm:kv_connector_worker_num_load_errors_total", v) == 0
     deadline = time.monotonic() + 10             # P's held blocks go back on D's "done"
-    while metric(p, "vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+    while metric(p, "vllm:kv_cache_usage_perc", v) > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert metric(p, "vllm:kv_cache_usage_perc") == 0
+    assert metric(p, "vllm:kv_cache_usage_perc", v) == 0
 
 
 def test_every_http_door_refuses_a_stranger(cluster, tiny_chat_dir):
@@ -122,9 +129,12 @@ def test_every_http_door_refuses_a_stranger(cluster, tiny_chat_dir):
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             for stream in (False, True):
                 r = httpx.post(url + "/v1/completions", headers=headers, timeout=30,
-                               json={"model": tiny_chat_dir, **body(0, stream=stream)})
+                               json={"model": tiny_chat_dir, **body(0, stream=stream)},
+                               verify=cluster["verify"])
                 assert r.status_code == 401 and r.json()["error"]["code"] == 401, (url, r.text)
-        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        assert httpx.get(url + "/health", timeout=10, verify=cluster["verify"]).status_code == 200
+        with pytest.raises(httpx.HTTPError):                # plain text against TLS
+            httpx.get(url.replace("https://", "http://") + "/health", timeout=10)
 
 
 def test_a_decode_key_p_does_not_allow_gets_nothing(cluster, tiny_chat_dir, reference, tmp_path):
@@ -144,24 +154,25 @@ def test_a_decode_key_p_does_not_allow_gets_nothing(cluster, tiny_chat_dir, refe
                  env={"VLLM_API_KEY": cluster["key"]})
     try:
         auth = {"Authorization": f"Bearer {cluster['key']}"}
-        p = cluster["prefill"][0]
-        expired = metric(p, "minivllm:kv_connector_worker_num_leases_expired_total")
-        r = httpx.post(p + "/v1/completions", headers=auth, timeout=60, json={
+        p, v = cluster["prefill"][0], cluster["verify"]
+        expired = metric(p, "minivllm:kv_connector_worker_num_leases_expired_total", v)
+        r = httpx.post(p + "/v1/completions", headers=auth, timeout=60, verify=v, json={
             "model": tiny_chat_dir, **body(3, max_tokens=1),
             "kv_transfer_params": {"do_remote_decode": True}})
         params = r.json()["kv_transfer_params"]
-        assert params["do_remote_prefill"] and metric(p, "vllm:kv_cache_usage_perc") > 0
+        assert params["do_remote_prefill"] and metric(p, "vllm:kv_cache_usage_perc", v) > 0
         r = httpx.post(url + "/v1/completions", headers=auth, timeout=60, json={
             "model": tiny_chat_dir, **body(3), "kv_transfer_params": params})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference[3]
         assert metric(url, "minivllm:kv_connector_worker_num_load_errors_total") == 1
         assert metric(url, "minivllm:kv_connector_worker_num_loaded_tokens_total") == 0
         deadline = time.monotonic() + LEASE_S + 15
-        while (metric(p, "minivllm:kv_connector_worker_num_leases_expired_total") == expired
+        while (metric(p, "minivllm:kv_connector_worker_num_leases_expired_total", v) == expired
                and time.monotonic() < deadline):
             time.sleep(0.3)
-        assert metric(p, "minivllm:kv_connector_worker_num_leases_expired_total") == expired + 1
-        assert metric(p, "vllm:kv_cache_usage_perc") == 0
+        assert metric(p, "minivllm:kv_connector_worker_num_leases_expired_total", v) == \
+            expired + 1
+        assert metric(p, "vllm:kv_cache_usage_perc", v) == 0
         p_log = open(os.path.join(cluster["log_dir"], "prefill0.log")).read()
         public = open(stranger["curve_public_key_file"]).read()
         assert "refused a side-channel peer" in p_log

@@ -27,8 +27,8 @@ import httpx
 import openai
 import pytest
 
-from security_utils import assert_no_secrets, make_tls, start
-from server_utils import child_env, free_port, metric, stop
+from security_utils import assert_no_secrets, make_tls, metric, start
+from server_utils import child_env, free_port, stop
 
 import cryptography  # noqa: F401  (the test CA; a missing prerequisite fails, never skips)
 import schemathesis  # noqa: F401
@@ -131,11 +131,7 @@ def test_every_door_refuses_a_stranger(server, proxy, tls):
 
 
 def metric_tls(server, tls, name: str) -> float:
-    import re
-    text = httpx.get(server["url"] + "/metrics", verify=tls["verify"], timeout=10).text
-    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
-    assert m is not None, name
-    return float(m.group(1))
+    return metric(server["url"], name, tls["verify"])
 
 
 def test_the_key_serves_the_offline_output(server, proxy, tls, reference):

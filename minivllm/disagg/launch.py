@@ -19,7 +19,10 @@ Guards (see ``minivllm/entrypoints/openai/auth.py``, ``minivllm/kvstore.py``,
   exactly the cluster's decode instances). ``SharedStorageConnector``'s folder is private to the
   user (mode 0700) and has no other guard;
 - ``--prefill-host`` / ``--decode-host``: the addresses the instances bind (and P's side channel),
-  e.g. 127.0.0.1 and 127.0.0.2 to rehearse two hosts on one machine.
+  e.g. 127.0.0.1 and 127.0.0.2 to rehearse two hosts on one machine;
+- ``--ssl-keyfile``, ``--ssl-certfile``, ``--backend-ca``: HTTPS for every server and the proxy
+  (one certificate for all; the proxy checks the instances' against the CA). The certificate is
+  the user's: ``--secure`` makes none.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl as _ssl
 import subprocess
 import sys
 import tempfile
@@ -137,7 +141,7 @@ def _secure_files(cluster: Cluster, kv_connector: str, num_decode: int) -> dict:
     return out
 
 
-def wait_healthy(cluster: Cluster, urls: list[str], timeout: float) -> None:
+def wait_healthy(cluster: Cluster, urls: list[str], timeout: float, verify=True) -> None:
     deadline = time.monotonic() + timeout
     pending = list(urls)
     while pending:
@@ -148,7 +152,7 @@ def wait_healthy(cluster: Cluster, urls: list[str], timeout: float) -> None:
                 raise RuntimeError(f"{name} (pid {p.pid}) exited with {p.returncode}:\n{tail}")
         for url in list(pending):
             try:
-                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                if httpx.get(url + "/health", timeout=2.0, verify=verify).status_code == 200:
                     pending.remove(url)
             except httpx.HTTPError:
                 pass
@@ -164,9 +168,12 @@ def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int]
                   log_dir: Optional[str] = None, startup_timeout: float = 300.0,
                   api_key: Optional[str] = None, secure: bool = False,
                   prefill_host: str = "127.0.0.1", decode_host: str = "127.0.0.1",
-                  proxy_host: str = "127.0.0.1", kv_extra_config: Optional[dict] = None) -> Cluster:
+                  proxy_host: str = "127.0.0.1", kv_extra_config: Optional[dict] = None,
+                  ssl: Optional[tuple[str, str, str]] = None) -> Cluster:
     """``api_key``: a key, or ``"auto"`` (a random one; ``Cluster.api_key``). ``secure``: see the
-    module docstring. ``kv_extra_config``: merged into every instance's extra config."""
+    module docstring. ``kv_extra_config``: merged into every instance's extra config. ``ssl``:
+    ``(keyfile, certfile, ca_file)``: every server and the proxy serve HTTPS with that certificate
+    (valid for every host used), and the proxy checks the instances' against the CA."""
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"--prefill and --decode must be >= 1, got {num_prefill}, {num_decode}.")
     if kv_connector == "auto":
@@ -184,7 +191,9 @@ def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int]
     owned = []
     if log_dir is None:
         log_dir = tempfile.mkdtemp(prefix="minivllm-cluster-logs-")
-    cluster = Cluster(f"http://{_netloc(proxy_host, port or free_port(proxy_host))}", [], [],
+    scheme = "https" if ssl else "http"
+    tls_args = ["--ssl-keyfile", ssl[0], "--ssl-certfile", ssl[1]] if ssl else []
+    cluster = Cluster(f"{scheme}://{_netloc(proxy_host, port or free_port(proxy_host))}", [], [],
                       kv_connector, "", log_dir, _owned_dirs=owned, api_key=api_key or None)
     try:
         guard = _secure_files(cluster, kv_connector, num_decode) if secure else {}
@@ -203,7 +212,7 @@ def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int]
             extra = {"shared_storage_path": cluster.kv_store}
         extra.update(kv_extra_config or {})
         common = ["minivllm.serve", "--model", model, "--seed", str(seed),
-                  "--num-threads", str(per_instance), *(server_args or [])]
+                  "--num-threads", str(per_instance), *tls_args, *(server_args or [])]
         for role, n, urls in (("prefill", num_prefill, cluster.prefill_urls),
                               ("decode", num_decode, cluster.decode_urls)):
             for i in range(n):
@@ -218,16 +227,18 @@ def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int]
                     kv["kv_connector_extra_config"].update(
                         guard["curve"]["prefill" if role == "prefill" else f"decode{i}"])
                 p = free_port(host)
-                urls.append(f"http://{_netloc(host, p)}")
+                urls.append(f"{scheme}://{_netloc(host, p)}")
                 _spawn(cluster, f"{role}{i}", [*common, "--host", host, "--port", str(p),
                                                "--kv-transfer-config", json.dumps(kv)], env)
         proxy_port = cluster.proxy_url.rsplit(":", 1)[1]
         _spawn(cluster, "proxy", ["minivllm.disagg.proxy", "--host", proxy_host,
-                                  "--port", proxy_port,
+                                  "--port", proxy_port, *tls_args,
+                                  *(["--backend-ca", ssl[2]] if ssl else []),
                                   "--prefill", *cluster.prefill_urls,
                                   "--decode", *cluster.decode_urls], env)
+        verify = _ssl.create_default_context(cafile=ssl[2]) if ssl else True
         wait_healthy(cluster, cluster.prefill_urls + cluster.decode_urls + [cluster.proxy_url],
-                     startup_timeout)
+                     startup_timeout, verify)
     except BaseException:
         cluster.stop()
         raise
@@ -264,10 +275,18 @@ def main(argv: Optional[list[str]] = None) -> None:
                     help="the address the prefill instances (and P's side channel) bind")
     ap.add_argument("--decode-host", default="127.0.0.1",
                     help="the address the decode instances bind")
+    ap.add_argument("--ssl-keyfile", default=None, help="TLS: every server's and the proxy's key")
+    ap.add_argument("--ssl-certfile", default=None,
+                    help="TLS: their certificate (valid for every host address used)")
+    ap.add_argument("--backend-ca", default=None,
+                    help="TLS: the CA that signed it, which the proxy (and the launcher) check")
     ap.add_argument("--kv-extra-config", type=json.loads, default=None,
                     help="JSON merged into every instance's kv_connector_extra_config, e.g. "
                          "'{\"kv_lease_duration\": 10}'")
     args = ap.parse_args(argv)
+    tls_files = (args.ssl_keyfile, args.ssl_certfile, args.backend_ca)
+    if any(tls_files) and not all(tls_files):
+        ap.error("TLS needs --ssl-keyfile, --ssl-certfile and --backend-ca")
     stop = {"now": False}
 
     def on_signal(signum, _frame):
@@ -281,7 +300,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                                 startup_timeout=args.startup_timeout, api_key=args.api_key,
                                 secure=args.secure, prefill_host=args.prefill_host,
                                 decode_host=args.decode_host, proxy_host=args.host,
-                                kv_extra_config=args.kv_extra_config)
+                                kv_extra_config=args.kv_extra_config,
+                                ssl=tls_files if all(tls_files) else None)
         print(f"KV store ({cluster.kv_connector}): {cluster.kv_store}")
         for u in cluster.prefill_urls:
             print(f"prefill: {u}")

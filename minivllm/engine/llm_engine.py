@@ -12,6 +12,7 @@ from typing import Any, Optional, Union
 from minivllm.config import VllmConfig
 from minivllm.engine.core import EngineCore
 from minivllm.engine.logprobs import LogprobsProcessor
+from minivllm.engine.parallel_sampling import ParentRequest
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
@@ -34,6 +35,8 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         # req_id -> its logprobs so far (vLLM's OutputProcessor keeps one per request state).
         self._logprobs: dict[str, LogprobsProcessor] = {}
+        # n > 1: child request id -> its parent (vLLM's ParentRequest).
+        self._parents: dict[str, ParentRequest] = {}
 
     @property
     def scheduler(self):
@@ -78,6 +81,8 @@ class LLMEngine:
         """``kv_transfer_params``: P/D state from the other instance (e.g. a producer's
         ``RequestOutput.kv_transfer_params``); vLLM carries it in
         ``SamplingParams.extra_args["kv_transfer_params"]``, and so does this (either way works)."""
+        if params is not None and params.n > 1:
+            return self._add_parent_request(request_id, prompt, params, kv_transfer_params)
         # A copy per request: the engine fills in per-request stop ids and max_tokens.
         params = SamplingParams() if params is None else copy.copy(params)
         if kv_transfer_params is not None:
@@ -102,12 +107,23 @@ class LLMEngine:
         self.engine_core.add_request(request)
         return request
 
+    def _add_parent_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                            kv_transfer_params: Optional[dict]) -> Request:
+        """``n > 1``: n child requests (``parallel_sampling.ParentRequest``); returns the first."""
+        self.validate_prompt(prompt)
+        self.verify_sampling_params(params)
+        parent = ParentRequest(request_id, params)
+        children = []
+        for i in range(parent.n):
+            child_id, child_params = parent.get_child_info(i)
+            self._parents[child_id] = parent
+            children.append(self.add_request(child_id, prompt, child_params, kv_transfer_params))
+        return children[0]
+
     def verify_sampling_params(self, params: SamplingParams) -> None:
         """The checks of ``params`` that need the model (vLLM's ``InputProcessor``): token ids
         inside the vocabulary, ``bad_words`` tokenised, ``logprobs`` within ``max_logprobs``."""
         params.verify_for_model(self.vllm_config.hf_config.vocab_size, self.tokenizer)
-        if params.n != 1:
-            raise ValueError(f"n must be 1 here (parallel sampling is not built yet), got {params.n}.")
         max_logprobs = self.vllm_config.model_config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
@@ -117,6 +133,11 @@ class LLMEngine:
 
     def abort_request(self, request_ids: list[str]) -> None:
         from minivllm.request import RequestStatus
+        # A parent's id aborts its children.
+        request_ids = [c for r in request_ids for c in (
+            [c for c, p in self._parents.items() if p.request_id == r] or [r])]
+        for request_id in request_ids:
+            self._parents.pop(request_id, None)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for request_id in request_ids:
             self._requests.pop(request_id, None)
@@ -135,15 +156,23 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return a RequestOutput for every request that progressed."""
-        results = []
+        results: dict[str, RequestOutput] = {}
         for request, new_token_ids in self.engine_core.step():
-            if request.request_id in self._logprobs:
-                self._logprobs[request.request_id].update_from_output(request, new_token_ids)
-            results.append(self.make_output(request))
+            req_id = request.request_id
+            if req_id in self._logprobs:
+                self._logprobs[req_id].update_from_output(request, new_token_ids)
+            out = self.make_output(request)
+            parent = self._parents.get(req_id)
+            if parent is not None:   # n > 1: the parent's output, all its children in it
+                out = parent.make_request_output(req_id, out)
+            results[out.request_id] = out
             if request.is_finished():
-                self._requests.pop(request.request_id, None)
-                self._logprobs.pop(request.request_id, None)
-        return results
+                self._requests.pop(req_id, None)
+                self._logprobs.pop(req_id, None)
+                if parent is not None and out.finished:
+                    for child_id in parent.child_ids:
+                        self._parents.pop(child_id, None)
+        return list(results.values())
 
     def make_output(self, request: Request) -> RequestOutput:
         token_ids = list(request.output_token_ids)

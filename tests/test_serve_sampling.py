@@ -109,3 +109,28 @@ def test_out_of_range_is_400_naming_the_field(client, kw, field):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="smol", prompt=PROMPT, max_tokens=3, **kw)
     assert field in str(e.value)
+
+
+def test_n_gives_n_choices(client, llm):
+    from minivllm import SamplingParams
+    r = client.completions.create(model="smol", prompt=[PROMPT, "Once upon a time"], max_tokens=5,
+                                  temperature=1.0, seed=7, n=2)
+    want = llm.generate([PROMPT, "Once upon a time"],
+                        SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=5), use_tqdm=False)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [c.text for w in want for c in w.outputs]
+    assert r.choices[0].text != r.choices[1].text and r.usage.completion_tokens == 20
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=1.0, seed=1, n=3)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(n=2, temperature=0.0), "n"), (dict(n=2, stream=True), "n"),
+    (dict(logprobs=2, stream=True), "logprobs"),
+])
+def test_unsupported_combinations_are_400(client, kw, field):
+    with pytest.raises(openai.BadRequestError) as e:
+        r = client.completions.create(model="smol", prompt=PROMPT, max_tokens=3, **kw)
+        list(r) if kw.get("stream") else None
+    assert field in str(e.value)

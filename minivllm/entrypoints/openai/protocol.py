@@ -8,8 +8,13 @@ vllm/entrypoints/openai/{completion,chat_completion}/protocol.py (``CompletionRe
 - Unknown fields are accepted and ignored, as in vLLM (its ``OpenAIBaseModel`` has
   ``extra="allow"`` and only logs them): OpenAI clients send fields this server has no use for.
 - Numeric ranges are vLLM's ``SamplingParams._verify_args`` ranges (temperature finite in [0, 2],
-  top_p in (0, 1], top_k >= -1, max_tokens >= 1, min_tokens >= 0) and its 64-bit ``seed``. They are
-  declared on the fields, so ``/openapi.json`` states them and a fuzzer can read them.
+  top_p in (0, 1], top_k >= -1, max_tokens >= 1, min_tokens >= 0, presence and frequency penalties
+  in [-2, 2], repetition_penalty > 0, min_p in [0, 1], logit_bias values in [-100, 100] as OpenAI,
+  logprobs / top_logprobs at most 20) and its 64-bit ``seed``. They are declared on the fields, so
+  ``/openapi.json`` states them and a fuzzer can read them.
+- ``logprobs`` (completions: top k per token; chat: ``logprobs`` + ``top_logprobs``) come back in
+  OpenAI's shapes (serving.py); with ``stream=true`` they are a 400 for now, as is ``n > 1``.
+- A completion ``prompt`` may be a list of strings (or of token-id lists): one choice per prompt.
 - A chat message has a non-empty ``role`` (which roles are allowed is the chat template's business:
   its errors are 400s too, see serving.py) and ``content``: a string, or OpenAI's list of content
   parts of which only ``{"type": "text"}`` is supported; parts are joined with newlines, as vLLM does
@@ -69,7 +74,7 @@ class _SamplingFields(OpenAIBaseModel):
     stop_token_ids: Optional[list[TokenId]] = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    n: Annotated[int, Field(ge=1, le=INT64_MAX, description="Only 1 is supported.")] = 1
+    n: Annotated[int, Field(ge=1, le=16384, description="Not with stream=true.")] = 1
     # OpenAI's penalties and bias, vLLM's repetition_penalty and min_p (SamplingParams' ranges).
     presence_penalty: Optional[Annotated[Float, Field(ge=-2.0, le=2.0)]] = None
     frequency_penalty: Optional[Annotated[Float, Field(ge=-2.0, le=2.0)]] = None
@@ -82,8 +87,8 @@ class _SamplingFields(OpenAIBaseModel):
 
     def check_supported(self) -> None:
         """``ValueError`` (HTTP 400) for what this server does not do, before anything is queued."""
-        if self.n != 1:
-            raise ValueError(f"n: only n=1 is supported, got {self.n}.")
+        if self.n != 1 and self.stream:
+            raise ValueError(f"n: n > 1 cannot be streamed by this server, got {self.n}.")
         if self.stream and self.num_logprobs() is not None:
             raise ValueError("logprobs: not supported with stream=true by this server.")
         for t in self.logit_bias or {}:
@@ -107,7 +112,8 @@ class _SamplingFields(OpenAIBaseModel):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            min_p=self.min_p or 0.0, logit_bias=self.logit_bias, logprobs=self.num_logprobs())
+            min_p=self.min_p or 0.0, logit_bias=self.logit_bias, logprobs=self.num_logprobs(),
+            n=self.n)
 
 
 class CompletionRequest(_SamplingFields):

@@ -171,37 +171,42 @@ class OpenAIServing:
             return _engine_error(e)
         if any(f is None for f in finals):
             return error_response("client disconnected", 499)
-        body = self._full_response(request_id, finals[0], chat=False)
-        body["choices"] = [self._full_response(request_id, f, chat=False)["choices"][0] | {"index": i}
-                           for i, f in enumerate(finals)]
-        usages = [usage_body(len(f.prompt_token_ids), len(f.outputs[0].token_ids),
-                             f.num_cached_tokens) for f in finals]
+        bodies = [self._full_response(request_id, f, chat=False, first_index=i * len(f.outputs))
+                  for i, f in enumerate(finals)]
+        body = bodies[0]
+        body["choices"] = [c for b in bodies for c in b["choices"]]
+        usages = [b["usage"] for b in bodies]
         body["usage"] = usage_body(sum(u["prompt_tokens"] for u in usages),
                                    sum(u["completion_tokens"] for u in usages),
                                    sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages))
         return JSONResponse(body, headers=headers)
 
     # ------------------------------------------------------------------ responses
-    def _full_response(self, request_id: str, out: RequestOutput, chat: bool) -> dict:
-        c = out.outputs[0]
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": c.finish_reason,
-                                  "stop_reason": c.stop_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
-        else:
-            choice["text"] = c.text
-        if c.logprobs is not None:
-            choice["logprobs"] = (chat_logprobs(c, self._top_k(out)) if chat
-                                  else completion_logprobs(c))
+    def _full_response(self, request_id: str, out: RequestOutput, chat: bool,
+                       first_index: int = 0) -> dict:
+        choices = []
+        for c in out.outputs:   # n > 1: one choice per sample
+            choice: dict[str, Any] = {"index": first_index + c.index, "logprobs": None,
+                                      "finish_reason": c.finish_reason,
+                                      "stop_reason": c.stop_reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = c.text
+            if c.logprobs is not None:
+                choice["logprobs"] = (chat_logprobs(c, self._top_k(c)) if chat
+                                      else completion_logprobs(c))
+            choices.append(choice)
         return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
-                "created": now(), "model": self.model_name, "choices": [choice],
-                "usage": usage_body(len(out.prompt_token_ids), len(c.token_ids),
+                "created": now(), "model": self.model_name, "choices": choices,
+                "usage": usage_body(len(out.prompt_token_ids),
+                                    sum(len(c.token_ids) for c in out.outputs),
                                     out.num_cached_tokens),
                 "kv_transfer_params": getattr(out, "kv_transfer_params", None)}
 
-    def _top_k(self, out: RequestOutput) -> int:
+    def _top_k(self, c: Any) -> int:
         """How many alternatives each position has (the ranks 1..k present)."""
-        first = out.outputs[0].logprobs[0] if out.outputs[0].logprobs else {}
+        first = c.logprobs[0] if c.logprobs else {}
         return sum(1 for lp in first.values() if lp.rank is not None and lp.rank <= len(first))
 
     def _chunk(self, request_id: str, chat: bool, delta: Optional[str],

@@ -2,7 +2,9 @@
 import pytest
 import torch
 
+from minivllm.model_executor import cpu_linear
 from minivllm.model_executor import kernel_choice as kc
+from minivllm.model_executor import route_timing as rt
 from minivllm.model_executor.cpu_linear import process_weights_after_loading
 from minivllm.model_executor.linear import Linear
 
@@ -18,16 +20,16 @@ def test_choice_is_timed_once_per_shape_and_bucket(monkeypatch):
     monkeypatch.delenv("MINIVLLM_LINEAR_ROUTE", raising=False)
     monkeypatch.setattr(kc, "CHOICES", kc.KernelChoices())
     calls = []
-    real = kc._time_candidates
+    real = rt._time_candidates
 
     def spy(x, ws, rounds=3, **kw):
         calls.append((x.shape[0], tuple(ws[0].shape), len(ws)))
         return real(x, ws, rounds, **kw)
 
-    monkeypatch.setattr(kc, "_time_candidates", spy)
+    monkeypatch.setattr(rt, "_time_candidates", spy)
     w = torch.randn(40, 24)
     for m in (3, 4, 3, 1, 1):
-        assert kc.choose(w, m) in kc.CANDIDATES
+        assert cpu_linear.choose(w, m) in kc.CANDIDATES
     assert calls == [(4, (40, 24), 1), (1, (40, 24), 1)]   # rows 3 and 4 share the bucket of 4
     key = ("cpu", "float32", 40, 24, 4)
     superseded = {kc.SUPERSEDES[n] for n in kc.PREPARE}    # packed oneDNN replaces plain oneDNN
@@ -41,17 +43,17 @@ def test_a_candidate_must_beat_f_linear_clearly(monkeypatch):
     monkeypatch.setattr(kc, "CHOICES", kc.KernelChoices())
     fake = {2: {"f_linear": 100.0, "gemm_wx": 90.0},    # 10 % faster: noise, keep the default
             4: {"f_linear": 100.0, "gemm_wx": 40.0}}    # 2.5x faster: take it
-    monkeypatch.setattr(kc, "_time_candidates", lambda x, ws, rounds=3, **kw: dict(fake[x.shape[0]]))
+    monkeypatch.setattr(rt, "_time_candidates", lambda x, ws, rounds=3, **kw: dict(fake[x.shape[0]]))
     w = torch.randn(8, 8)
-    assert kc.choose(w, 2) == "f_linear" and kc.choose(w, 4) == "gemm_wx"
+    assert cpu_linear.choose(w, 2) == "f_linear" and cpu_linear.choose(w, 4) == "gemm_wx"
 
 
 def test_forced_route_and_bad_value(monkeypatch):
     monkeypatch.setenv("MINIVLLM_LINEAR_ROUTE", "gemm_wx")
-    assert kc.choose(torch.randn(8, 8), 1) == "gemm_wx"
+    assert cpu_linear.choose(torch.randn(8, 8), 1) == "gemm_wx"
     monkeypatch.setenv("MINIVLLM_LINEAR_ROUTE", "fast")
     with pytest.raises(ValueError, match="MINIVLLM_LINEAR_ROUTE"):
-        kc.choose(torch.randn(8, 8), 1)
+        cpu_linear.choose(torch.randn(8, 8), 1)
 
 
 def test_module_caches_route_per_row_count(monkeypatch):
@@ -83,7 +85,7 @@ def test_tune_model_times_each_shape_over_all_its_weights(monkeypatch):
     monkeypatch.delenv("MINIVLLM_LINEAR_ROUTE", raising=False)
     monkeypatch.setattr(kc, "CHOICES", kc.KernelChoices())
     seen = []
-    monkeypatch.setattr(kc, "_time_candidates",
+    monkeypatch.setattr(rt, "_time_candidates",
                         lambda x, ws, rounds=3, **kw: seen.append((x.shape[0], len(ws))) or
                         {"f_linear": 1.0})
     model = torch.nn.Sequential(*[Linear(16, 16) for _ in range(5)], Linear(16, 8))
@@ -156,7 +158,7 @@ def test_many_rows_are_timed_on_a_few_weights_and_only_against_prepared_routes(m
     seen = []
     monkeypatch.setitem(kc.CANDIDATES, "f_linear", lambda x, w: seen.append(id(w)) or x @ w.T)
     weights = [torch.randn(8, 16) for _ in range(5)]
-    timings = kc._time_candidates(torch.randn(kc.MANY_ROWS, 16), weights, rounds=1)
+    timings = rt._time_candidates(torch.randn(kc.MANY_ROWS, 16), weights, rounds=1)
     assert set(seen) == {id(w) for w in weights[:kc.MANY_ROWS_WEIGHTS]}
     assert set(timings) == {"f_linear"} | set(kc.prepare_operands(weights[:1]))
 

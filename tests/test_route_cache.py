@@ -9,7 +9,9 @@ import sys
 import pytest
 import torch
 
+from minivllm.model_executor import cpu_linear
 from minivllm.model_executor import kernel_choice as kc
+from minivllm.model_executor import route_timing as rt
 from minivllm.model_executor import route_cache
 from minivllm.model_executor.cpu_linear import process_weights_after_loading
 from minivllm.model_executor.linear import Linear
@@ -25,8 +27,8 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MINIVLLM_TUNING_BUDGET_S", "inf")
     monkeypatch.setattr(kc, "CHOICES", kc.KernelChoices())
     timed = []
-    real = kc._time_candidates
-    monkeypatch.setattr(kc, "_time_candidates",
+    real = rt._time_candidates
+    monkeypatch.setattr(rt, "_time_candidates",
                         lambda x, ws, rounds=1, **kw: timed.append(tuple(ws[0].shape)) or
                         real(x, ws, 1, **kw))
     return tmp_path, timed
@@ -97,7 +99,7 @@ def test_off_switch_and_pinned_route(cache, monkeypatch):
     m = model()
     process_weights_after_loading(m)
     assert not os.listdir(tmp) and m[0].quant_method.apply(m[0], torch.randn(2, 16)).shape == (2, 24)
-    assert kc.choose(m[0].weight, 2) == "gemm_wx"
+    assert cpu_linear.choose(m[0].weight, 2) == "gemm_wx"
 
 
 def test_llm_in_a_fresh_process_uses_the_stored_choices(tiny_llama_dir, tmp_path):

@@ -25,10 +25,26 @@ from torch import nn
 
 from minivllm.model_executor import kernel_choice, route_cache
 from minivllm.model_executor.kernel_choice import (CANDIDATES, MAX_TUNED_ROWS, PREPARE,
-                                                   ROW_BUCKETS, KernelChoices, choose,
+                                                   ROW_BUCKETS, KernelChoices,
                                                    forced_route, packing_allowed,
                                                    prepare_operands, shape_key, tuning_budget)
 from minivllm.model_executor.linear import Linear, UnquantizedLinearMethod
+
+
+def choose(weight: torch.Tensor, m: int, same_shape: Optional[list[torch.Tensor]] = None,
+           prepared: Optional[dict[str, list[torch.Tensor]]] = None) -> str:
+    """The route for ``m`` rows (m >= 1) times ``weight``; timed on first use,
+    over ``same_shape`` (every weight of the model with this shape and dtype) when given, with
+    ``prepared`` their prepared copies (see ``route_timing._time_candidates``)."""
+    forced = forced_route()
+    if forced:
+        return forced
+    key = shape_key(weight, m)
+    name = kernel_choice.CHOICES.chosen.get(key)
+    if name is None:   # the timing code loads only when something is left to time
+        from minivllm.model_executor.route_timing import tune
+        name = tune(key, same_shape or [weight], prepared)
+    return name
 
 
 def _f_linear_only(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -40,14 +40,14 @@ left runs ``f_linear`` until a later process times it.
 layer holds a second copy of its weight (float32 SmolLM2 after load: 1,091 MB resident against
 1,676 MB with packing, 984 MB with ``MINIVLLM_LINEAR_ROUTE=f_linear``).
 
-Only the CPU is tuned: on CUDA ``F.linear`` is cuBLAS with its own heuristics. This file knows
-weights, not layers: ``cpu_linear`` times a model's shapes at load and runs the chosen routes.
+Only the CPU is tuned: on CUDA ``F.linear`` is cuBLAS with its own heuristics. This file holds the
+candidates and the table of choices; ``route_timing`` times them, ``cpu_linear`` chooses for a
+model's shapes at load and runs the chosen routes.
 """
 from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -67,7 +67,7 @@ MAX_TUNED_ROWS = 32
 MANY_ROWS = 128
 MANY_ROWS_WEIGHTS = 2
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, MANY_ROWS)
-MIN_GAIN = 0.15   # a candidate must be this much faster than f_linear to be chosen
+MIN_GAIN = 0.15   # a candidate must be this much faster than f_linear to be chosen (route_timing)
 
 
 def _f_linear(x, w):
@@ -191,76 +191,6 @@ def prepare_operands(weights: list[torch.Tensor],
     return out
 
 
-def _time_candidates(x: torch.Tensor, weights: list[torch.Tensor], rounds: int = 3,
-                     prepared: Optional[dict[str, list[torch.Tensor]]] = None) -> dict[str, float]:
-    """Microseconds per call (best of ``rounds``), candidates interleaved so drift hits all alike.
-
-    Each sample runs the product once with every weight in ``weights`` (all of one shape: the
-    model's 30 ``qkv_proj`` matrices, say), in turn, as a forward does. Timing one small matrix
-    over and over would time it from the cache, where the routes differ little; streamed from
-    memory, as in a forward, they can differ by 1.6x. ``prepared``: the copies a prepared-weight
-    candidate runs on (``prepare_operands(weights)``, made here when not given)."""
-    if x.shape[0] > MAX_TUNED_ROWS:   # compute-bound: a few matrices time it (MANY_ROWS_WEIGHTS)
-        weights = weights[:MANY_ROWS_WEIGHTS]
-        if prepared is not None:
-            prepared = {n: copies[:MANY_ROWS_WEIGHTS] for n, copies in prepared.items()}
-    prepared = prepare_operands(weights) if prepared is None else prepared
-    superseded = {SUPERSEDES.get(n) for n in prepared}
-    names = [n for n in CANDIDATES if (n != "pad2" or x.shape[0] == 1)
-             and (n not in PREPARE or n in prepared) and n not in superseded]
-    if x.shape[0] > MAX_TUNED_ROWS:
-        names = [n for n in names if n == "f_linear" or n in PREPARE or n in SUPERSEDES.values()]
-    operands = {n: prepared.get(n, weights) for n in names}
-    best = {name: float("inf") for name in names}
-    # A sample should last ~1 ms for the timer: a short list of small weights repeats.
-    t0 = time.perf_counter()
-    for w in weights:
-        _f_linear(x, w)
-    inner = max(1, min(50, int(1e-3 / max(time.perf_counter() - t0, 1e-7))))
-    for _ in range(rounds):
-        for name in names:
-            fn = CANDIDATES[name]
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                for w in operands[name]:
-                    fn(x, w)
-            best[name] = min(best[name],
-                             (time.perf_counter() - t0) / (inner * len(weights)) * 1e6)
-    return best
-
-
 def shape_key(weight: torch.Tensor, m: int) -> ShapeKey:
     return (weight.device.type, str(weight.dtype).replace("torch.", ""), weight.shape[0],
             weight.shape[1], row_bucket(m))
-
-
-def choose(weight: torch.Tensor, m: int, same_shape: Optional[list[torch.Tensor]] = None,
-           prepared: Optional[dict[str, list[torch.Tensor]]] = None) -> str:
-    """The route for ``m`` rows (m >= 1) times ``weight``; timed on first use,
-    over ``same_shape`` (every weight of the model with this shape and dtype) when given, with
-    ``prepared`` their prepared copies (see ``_time_candidates``)."""
-    forced = forced_route()
-    if forced:
-        return forced
-    key = shape_key(weight, m)
-    name = CHOICES.chosen.get(key)
-    if name is None:
-        name = _tune(key, same_shape or [weight], prepared)
-    return name
-
-
-@torch.no_grad()
-def _tune(key: ShapeKey, weights: list[torch.Tensor], prepared=None) -> str:
-    t0 = time.perf_counter()
-    weight = weights[0]
-    g = torch.Generator(device=weight.device).manual_seed(0)
-    x = torch.randn(key[4], weight.shape[1], generator=g, device=weight.device).to(weight.dtype)
-    timings = _time_candidates(x, weights, prepared=prepared)
-    name = min(timings, key=timings.get)
-    if timings[name] > (1 - MIN_GAIN) * timings["f_linear"]:
-        name = "f_linear"
-    CHOICES.chosen[key], CHOICES.timings_us[key] = name, timings
-    CHOICES.tuning_seconds += time.perf_counter() - t0
-    logger.debug("linear %s: %s (%s)", key, name,
-                 ", ".join(f"{k} {v:.0f} us" for k, v in timings.items()))
-    return name

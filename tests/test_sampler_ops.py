@@ -183,3 +183,53 @@ def test_bonus_row_counts_all_drafts():
     assert Sampler()(logits, md).item() == 2
     assert Sampler()(logits, md, num_draft_tokens=[2]).item() == 3
     assert S.combine_outputs_with_spec_tokens([[1]], [[2, 2, 7]], [2]) == [[1, 2, 2]]
+
+
+def _position_distributions(batch=12000):
+    """Random rows with penalties and a bias, drafts [2, 2] (one-hot, as n-gram's): the tokens at
+    the first position, and at the second when the first draft was accepted."""
+    vocab = 8
+    params = SamplingParams(temperature=1.0, frequency_penalty=0.8, presence_penalty=0.3,
+                            logit_bias={3: 1.0})
+    l0 = torch.tensor([0.0, 0.5, 2.0, 0.2, -1.0, 0.3, 0.0, 0.1])
+    l1 = torch.tensor([0.1, 0.4, 2.2, 0.0, -0.5, 0.6, 0.2, 0.0])
+    prompt, output = [1, 2], [2, 5]
+    drafts = [[2, 2]] * batch
+    md = SamplingMetadata.from_params([params] * batch, prompt_token_ids=[prompt] * batch,
+                                      output_token_ids=[output] * batch, spec_token_ids=drafts)
+    logits = torch.stack([l0, l1]).repeat(batch, 1)
+    torch.manual_seed(0)
+    out = RejectionSampler("torch")(SpecDecodeMetadata.make_dummy(drafts), None, logits,
+                                    torch.zeros(batch, 1, dtype=torch.int32), md)
+
+    def expected(row, outs):
+        one = SamplingMetadata.from_params([params], prompt_token_ids=[prompt],
+                                           output_token_ids=[outs])
+        return S.compute_probs(row.unsqueeze(0), one)[0].double().numpy()
+
+    first, second = out[:, 0].numpy(), out[:, 1].numpy()
+    return (first, expected(l0, output)), (second[first == 2], expected(l1, output + [2]))
+
+
+def _chi2_p(samples, probs):
+    import numpy as np
+    from scipy.stats import chisquare
+    counts = np.bincount(samples, minlength=len(probs))
+    keep = probs > 0
+    return chisquare(counts[keep], len(samples) * probs[keep] / probs[keep].sum()).pvalue
+
+
+def test_random_positions_follow_the_penalised_target():
+    """Chi-squared: each position is distributed as plain sampling would draw it, the earlier
+    draft counted by the penalties."""
+    (first, p0), (second, p1) = _position_distributions()
+    assert len(second) > 2000
+    assert _chi2_p(first, p0) > 0.01 and _chi2_p(second, p1) > 0.01
+
+
+def test_random_positions_reject_the_wrong_rule(monkeypatch):
+    """The same test finds drafts left uncounted (p < 1e-3)."""
+    monkeypatch.setattr(R, "combine_outputs_with_spec_tokens",
+                        lambda outs, ds: [list(o) for o, d in zip(outs, ds) for _ in d])
+    (first, p0), (second, p1) = _position_distributions()
+    assert _chi2_p(second, p1) < 1e-3

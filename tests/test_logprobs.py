@@ -14,8 +14,15 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_llama_dir):
-    return {"plain": tiny_llm(tiny_llama_dir), "ngram": tiny_llm(tiny_llama_dir, NGRAM)}
+def engines(tiny_llama_dir, tmp_path_factory):
+    from learned_heads import make_eagle_head
+    eagle = make_eagle_head(tmp_path_factory.mktemp("eagle_head"), tiny_llama_dir)
+    return {"plain": tiny_llm(tiny_llama_dir), "ngram": tiny_llm(tiny_llama_dir, NGRAM),
+            "ngram_async": tiny_llm(tiny_llama_dir, NGRAM, async_scheduling=True),
+            "draft_model": tiny_llm(tiny_llama_dir, dict(method="draft_model", model=tiny_llama_dir,
+                                                         num_speculative_tokens=3)),
+            "eagle": tiny_llm(tiny_llama_dir, dict(method="eagle", model=eagle,
+                                                   num_speculative_tokens=3))}
 
 
 def _hf_logits(model_dir, token_ids):
@@ -80,9 +87,14 @@ PENALISED = [dict(frequency_penalty=0.1, max_tokens=24), dict(frequency_penalty=
              dict(frequency_penalty=0.4, min_tokens=5)]
 
 
-@pytest.mark.parametrize("kw", PENALISED, ids=lambda kw: ",".join(kw))
-def test_greedy_with_ngram_equals_plain(engines, kw):
-    plain, spec = _run(engines["plain"], logprobs=2, **kw), _run(engines["ngram"], logprobs=2, **kw)
+# Every field with n-gram; one penalty and one mask with the other methods (time).
+CASES = ([("ngram", kw) for kw in PENALISED]
+         + [(m, PENALISED[i]) for m in ("ngram_async", "draft_model", "eagle") for i in (0, 3)])
+
+
+@pytest.mark.parametrize("method,kw", CASES, ids=lambda x: x if isinstance(x, str) else ",".join(x))
+def test_greedy_with_speculation_equals_plain(engines, method, kw):
+    plain, spec = _run(engines["plain"], logprobs=2, **kw), _run(engines[method], logprobs=2, **kw)
     a, b = plain.outputs[0], spec.outputs[0]
     assert a.token_ids == b.token_ids
     for x, y in zip(a.logprobs, b.logprobs):

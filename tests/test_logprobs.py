@@ -128,3 +128,16 @@ def test_engine_checks_against_the_model(engines):
         _run(engines["plain"], logprobs=21)
     with pytest.raises(ValueError, match="bad_words"):
         _run(engines["plain"], bad_words=["x"])     # no tokenizer on this engine
+
+
+def test_prompt_logprobs_over_prefill_chunks_and_a_cached_prefix(engines, tiny_llama_dir):
+    """Chunks of 4 tokens give the same prompt logprobs as one pass; a second request with the
+    same prompt still gets them all (the prefix cache is not read for it, as in vLLM)."""
+    whole = _run(engines["plain"], prompt_logprobs=1, max_tokens=2).prompt_logprobs
+    chunked = tiny_llm(tiny_llama_dir, max_num_batched_tokens=4, max_num_seqs=1)
+    for _ in range(2):
+        out = _run(chunked, prompt_logprobs=1, max_tokens=2)
+        assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == len(PROMPT)
+        for a, b in zip(whole[1:], out.prompt_logprobs[1:]):
+            assert list(a) == list(b)
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)

@@ -127,10 +127,32 @@ def test_n_gives_n_choices(client, llm):
 
 @pytest.mark.parametrize("kw,field", [
     (dict(n=2, temperature=0.0), "n"), (dict(n=2, stream=True), "n"),
-    (dict(logprobs=2, stream=True), "logprobs"),
+    (dict(extra_body={"top_logprobs": 2}), "top_logprobs"),
 ])
 def test_unsupported_combinations_are_400(client, kw, field):
     with pytest.raises(openai.BadRequestError) as e:
-        r = client.completions.create(model="smol", prompt=PROMPT, max_tokens=3, **kw)
-        list(r) if kw.get("stream") else None
+        if field == "top_logprobs":
+            client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=3, **kw)
+        else:
+            client.completions.create(model="smol", prompt=PROMPT, max_tokens=3, **kw)
     assert field in str(e.value)
+
+
+def test_streamed_logprobs_add_up_to_the_response(client):
+    kw = dict(model="smol", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
+    full = client.completions.create(**kw).choices[0].logprobs
+    tokens, lps = [], []
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                lps += c.logprobs.token_logprobs
+    assert tokens == full.tokens and lps == pytest.approx(full.token_logprobs, abs=1e-6)
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat = dict(model="smol", messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                top_logprobs=1)
+    want = [e.token for e in client.chat.completions.create(**chat).choices[0].logprobs.content]
+    got = [e.token for chunk in client.chat.completions.create(**chat, stream=True)
+           for c in chunk.choices if c.logprobs is not None for e in c.logprobs.content]
+    assert got == want

@@ -13,7 +13,7 @@ vllm/entrypoints/openai/{completion,chat_completion}/protocol.py (``CompletionRe
   logprobs / top_logprobs at most 20) and its 64-bit ``seed``. They are declared on the fields, so
   ``/openapi.json`` states them and a fuzzer can read them.
 - ``logprobs`` (completions: top k per token; chat: ``logprobs`` + ``top_logprobs``) come back in
-  OpenAI's shapes (serving.py); with ``stream=true`` they are a 400 for now, as is ``n > 1``.
+  OpenAI's shapes (serving.py), streamed too; ``n > 1`` with ``stream=true`` is a 400 for now.
 - A completion ``prompt`` may be a list of strings (or of token-id lists): one choice per prompt.
 - A chat message has a non-empty ``role`` (which roles are allowed is the chat template's business:
   its errors are 400s too, see serving.py) and ``content``: a string, or OpenAI's list of content
@@ -89,8 +89,7 @@ class _SamplingFields(OpenAIBaseModel):
         """``ValueError`` (HTTP 400) for what this server does not do, before anything is queued."""
         if self.n != 1 and self.stream:
             raise ValueError(f"n: n > 1 cannot be streamed by this server, got {self.n}.")
-        if self.stream and self.num_logprobs() is not None:
-            raise ValueError("logprobs: not supported with stream=true by this server.")
+        self.num_logprobs()   # top_logprobs without logprobs is a 400
         for t in self.logit_bias or {}:
             if not t.lstrip("-").isdigit():
                 raise ValueError(f"logit_bias: keys must be token ids, got {t!r}.")

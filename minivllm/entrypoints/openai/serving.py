@@ -209,9 +209,21 @@ class OpenAIServing:
         first = c.logprobs[0] if c.logprobs else {}
         return sum(1 for lp in first.values() if lp.rank is not None and lp.rank <= len(first))
 
+    def _stream_logprobs(self, out: RequestOutput, chat: bool, start: int) -> Optional[dict]:
+        """The logprobs of tokens ``start:`` of the output, in the response's shape: each chunk
+        carries those of the tokens that arrived since the last, so together they are the
+        non-streamed response's."""
+        c = out.outputs[0]
+        if c.logprobs is None or start >= len(c.logprobs):
+            return None
+        if chat:
+            return {"content": chat_logprobs(c, self._top_k(c))["content"][start:]}
+        return {k: v[start:] for k, v in completion_logprobs(c).items()}
+
     def _chunk(self, request_id: str, chat: bool, delta: Optional[str],
-               finish_reason: Optional[str] = None, role: bool = False) -> str:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+               finish_reason: Optional[str] = None, role: bool = False,
+               logprobs: Optional[dict] = None) -> str:
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
         if chat:
             choice["delta"] = ({"role": "assistant", "content": ""} if role
                                else ({"content": delta} if delta else {}))
@@ -225,7 +237,7 @@ class OpenAIServing:
                       gen: AsyncIterator[RequestOutput], stop: list[str], chat: bool,
                       include_usage: bool) -> AsyncIterator[str]:
         holdback = max((len(s) for s in stop), default=1) - 1
-        sent = 0
+        sent = lp_sent = 0
         out = first
         try:
             if chat:
@@ -236,7 +248,9 @@ class OpenAIServing:
                 while end > sent and not out.finished and text[end - 1] == "\ufffd":
                     end -= 1
                 if end > sent:
-                    yield self._chunk(request_id, chat, text[sent:end])
+                    lps = self._stream_logprobs(out, chat, lp_sent)
+                    lp_sent = len(out.outputs[0].token_ids)
+                    yield self._chunk(request_id, chat, text[sent:end], logprobs=lps)
                     sent = end
                 if out.finished:
                     break
@@ -244,7 +258,8 @@ class OpenAIServing:
             if out.outputs[0].finish_reason == "error":   # kv_load_failure_policy="fail"
                 yield f"data: {json.dumps(error_body('KV load failed', 'InternalServerError', 500))}\n\n"
             else:
-                yield self._chunk(request_id, chat, None, finish_reason=out.outputs[0].finish_reason)
+                yield self._chunk(request_id, chat, None, finish_reason=out.outputs[0].finish_reason,
+                                  logprobs=self._stream_logprobs(out, chat, lp_sent))
             if include_usage:
                 c = out.outputs[0]
                 usage = {"id": request_id, "object": "chat.completion.chunk" if chat

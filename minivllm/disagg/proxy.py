@@ -45,6 +45,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from minivllm.entrypoints.openai.auth import api_keys_from, install_api_key, warn_if_open
+from minivllm.entrypoints.openai.tls import ssl_config, stop_when_idle
 from minivllm.entrypoints.openai.errors import (error_response, generation_responses,
                                                 install_error_handlers, without_422)
 from minivllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
@@ -267,8 +268,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--backend-ca", default=None,
                     help="CA file (PEM) that signed the instances' certificates")
     args = ap.parse_args(argv)
-    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
-        ap.error("give both --ssl-keyfile and --ssl-certfile, or neither")
+    try:
+        tls = ssl_config(args.ssl_keyfile, args.ssl_certfile)
+    except ValueError as e:
+        ap.error(str(e))
     keys = api_keys_from(args.api_key)
     backend_key = (args.backend_api_key or os.environ.get("MINIVLLM_BACKEND_API_KEY")
                    or (keys[0] if keys else None))
@@ -278,9 +281,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     scheme = "https" if args.ssl_certfile else "http"
     print(f"minivllm P/D proxy on {scheme}://{args.host}:{args.port}: prefill {args.prefill}, "
           f"decode {args.decode} (API key {'required' if keys else 'not required'})", flush=True)
-    uvicorn.run(build_app(proxy, tuple(keys)), host=args.host, port=args.port,
-                log_level=args.log_level, ssl_keyfile=args.ssl_keyfile,
-                ssl_certfile=args.ssl_certfile)
+    server = uvicorn.Server(uvicorn.Config(build_app(proxy, tuple(keys)), host=args.host,
+                                           port=args.port, log_level=args.log_level, **tls))
+    stop_when_idle(server)          # idle TLS connections must not hold up a stop (tls.py)
+    server.run()
 
 
 if __name__ == "__main__":

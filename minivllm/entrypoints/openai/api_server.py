@@ -26,6 +26,7 @@ from fastapi.responses import PlainTextResponse
 
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.entrypoints.openai.auth import api_keys_from, install_api_key, warn_if_open
+from minivllm.entrypoints.openai.tls import ssl_config, stop_when_idle
 from minivllm.entrypoints.openai.errors import (error_response, generation_responses,
                                                 install_error_handlers, without_422)
 from minivllm.entrypoints.openai.metrics import render_metrics
@@ -148,8 +149,10 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     import uvicorn
     args = make_arg_parser().parse_args(argv)
-    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
-        make_arg_parser().error("give both --ssl-keyfile and --ssl-certfile, or neither")
+    try:
+        tls = ssl_config(args.ssl_keyfile, args.ssl_certfile)
+    except ValueError as e:
+        make_arg_parser().error(str(e))
     if args.model_tag is not None:
         args.model = args.model_tag
     async_llm = build_async_llm(args)
@@ -157,9 +160,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     keys = api_keys_from(args.api_key)
     warn_if_open(args.host, keys)
     server = uvicorn.Server(uvicorn.Config(build_app(async_llm, name, tuple(keys)), host=args.host,
-                                           port=args.port, log_level=args.log_level,
-                                           ssl_keyfile=args.ssl_keyfile,
-                                           ssl_certfile=args.ssl_certfile))
+                                           port=args.port, log_level=args.log_level, **tls))
+    stop_when_idle(server)          # idle TLS connections must not hold up a stop (tls.py)
 
     def serve_http() -> None:
         keep_off_openmp()   # no OpenMP team beside the engine's (minivllm/threads.py)

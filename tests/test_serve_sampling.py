@@ -156,3 +156,30 @@ def test_streamed_logprobs_add_up_to_the_response(client):
     got = [e.token for chunk in client.chat.completions.create(**chat, stream=True)
            for c in chunk.choices if c.logprobs is not None for e in c.logprobs.content]
     assert got == want
+
+
+def test_vllm_extras_bad_words_allowed_ids_prompt_logprobs_echo(client, llm):
+    base = client.completions.create(model="smol", prompt=PROMPT, max_tokens=6, temperature=0)
+    first_word = llm.get_tokenizer().decode(_offline(llm).token_ids[:1]).strip()
+    got = client.completions.create(model="smol", prompt=PROMPT, max_tokens=6, temperature=0,
+                                    extra_body={"bad_words": [first_word]}).choices[0].text
+    assert got == _offline(llm, bad_words=[first_word], max_tokens=6).text != base.choices[0].text
+    allowed = [100, 200, 300]
+    got = client.completions.create(model="smol", prompt=PROMPT, max_tokens=4, temperature=0,
+                                    extra_body={"allowed_token_ids": allowed}).choices[0].text
+    assert set(llm.get_tokenizer().encode(got, add_special_tokens=False)) <= set(allowed)
+    r = client.completions.create(model="smol", prompt=PROMPT, max_tokens=3, temperature=0,
+                                  extra_body={"prompt_logprobs": 1})
+    pl = r.choices[0].model_extra["prompt_logprobs"]
+    want = llm.generate([PROMPT], __import__("minivllm").SamplingParams(
+        temperature=0, max_tokens=3, prompt_logprobs=1), use_tqdm=False)[0].prompt_logprobs
+    assert pl[0] is None and len(pl) == len(want) == r.usage.prompt_tokens
+    for got_pos, want_pos in zip(pl[1:], want[1:]):
+        assert {int(t): v["logprob"] for t, v in got_pos.items()} == pytest.approx(
+            {t: lp.logprob for t, lp in want_pos.items()}, abs=1e-4)
+    e = client.completions.create(model="smol", prompt=PROMPT, max_tokens=3, temperature=0,
+                                  echo=True, logprobs=1).choices[0]
+    assert e.text == PROMPT + base.choices[0].text[:len(e.text) - len(PROMPT)]
+    assert e.logprobs.token_logprobs[0] is None
+    assert len(e.logprobs.tokens) == r.usage.prompt_tokens + 3
+    assert "".join(e.logprobs.tokens) == e.text

@@ -15,6 +15,10 @@ vllm/entrypoints/openai/{completion,chat_completion}/protocol.py (``CompletionRe
 - ``logprobs`` (completions: top k per token; chat: ``logprobs`` + ``top_logprobs``) come back in
   OpenAI's shapes (serving.py), streamed too; ``n > 1`` with ``stream=true`` is a 400 for now.
 - A completion ``prompt`` may be a list of strings (or of token-id lists): one choice per prompt.
+  ``echo`` puts the prompt before the completion's text (and, with ``logprobs``, the prompt's
+  logprobs before its tokens', the first ``null``), as vLLM does; not streamed for now.
+- vLLM's ``prompt_logprobs`` come back on each choice as ``prompt_logprobs``: per prompt token
+  ``null`` (the first) or ``{token_id: {"logprob", "rank", "decoded_token"}}``.
 - A chat message has a non-empty ``role`` (which roles are allowed is the chat template's business:
   its errors are 400s too, see serving.py) and ``content``: a string, or OpenAI's list of content
   parts of which only ``{"type": "text"}`` is supported; parts are joined with newlines, as vLLM does
@@ -81,6 +85,10 @@ class _SamplingFields(OpenAIBaseModel):
     repetition_penalty: Optional[Annotated[Float, Field(gt=0.0, le=1e9)]] = None
     min_p: Optional[Annotated[Float, Field(ge=0.0, le=1.0)]] = None
     logit_bias: Optional[dict[str, Annotated[Float, Field(ge=-100.0, le=100.0)]]] = None
+    # vLLM's extras.
+    bad_words: Optional[list[Annotated[str, Field(min_length=1)]]] = None
+    allowed_token_ids: Optional[Annotated[list[TokenId], Field(min_length=1)]] = None
+    prompt_logprobs: Optional[Annotated[int, Field(ge=-1, le=20)]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
@@ -112,7 +120,11 @@ class _SamplingFields(OpenAIBaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             min_p=self.min_p or 0.0, logit_bias=self.logit_bias, logprobs=self.num_logprobs(),
-            n=self.n)
+            n=self.n, bad_words=self.bad_words, allowed_token_ids=self.allowed_token_ids,
+            prompt_logprobs=self.num_prompt_logprobs())
+
+    def num_prompt_logprobs(self) -> Optional[int]:
+        return self.prompt_logprobs
 
 
 class CompletionRequest(_SamplingFields):
@@ -123,6 +135,12 @@ class CompletionRequest(_SamplingFields):
 
     def num_logprobs(self) -> Optional[int]:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> Optional[int]:
+        """``echo`` with ``logprobs``: the prompt's logprobs too (they are echoed with it)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def get_prompts(self) -> list[Union[str, dict]]:
         """The prompts, one choice each (as vLLM): a string, token ids, or a list of either."""
@@ -143,8 +161,8 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise ValueError("echo: not supported by this server.")
+        if self.echo and self.stream:
+            raise ValueError("echo: not supported with stream=true by this server.")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -197,6 +215,7 @@ class UsageInfo(BaseModel):
 class _ChoiceBase(BaseModel):
     index: int
     logprobs: Optional[dict[str, Any]] = None
+    prompt_logprobs: Optional[list[Optional[dict[str, Any]]]] = None
     finish_reason: Optional[Literal["stop", "length", "abort"]]
     stop_reason: Optional[Union[int, str]] = None
 

@@ -135,7 +135,8 @@ class OpenAIServing:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{base_id}"
         headers = {"X-Request-Id": base_id}
         if len(prepared) > 1:
-            return await self._create_batch(request_id, prepared, raw, headers)
+            return await self._create_batch(request_id, prepared, raw, headers,
+                                            echo=getattr(body, "echo", False))
         prompt, params = prepared[0]
         gen = self.async_llm.generate(request_id, prompt, params)
         if body.stream:
@@ -155,10 +156,12 @@ class OpenAIServing:
             return error_response("client disconnected", 499)
         if final.outputs[0].finish_reason == "error":   # kv_load_failure_policy="fail"
             return error_response("the request's KV cache failed to load", 500)
-        return JSONResponse(self._full_response(request_id, final, chat), headers=headers)
+        return JSONResponse(self._full_response(request_id, final, chat,
+                                                echo=getattr(body, "echo", False)),
+                            headers=headers)
 
     async def _create_batch(self, request_id: str, prepared: list, raw: HTTPRequest,
-                            headers: dict) -> Response:
+                            headers: dict, echo: bool = False) -> Response:
         """A completion with a list of prompts: one request each (``{request_id}-{i}``), run
         together; the response has one choice per prompt, in order, and the summed usage."""
         gens = [self.async_llm.generate(f"{request_id}-{i}", prompt, params)
@@ -171,8 +174,8 @@ class OpenAIServing:
             return _engine_error(e)
         if any(f is None for f in finals):
             return error_response("client disconnected", 499)
-        bodies = [self._full_response(request_id, f, chat=False, first_index=i * len(f.outputs))
-                  for i, f in enumerate(finals)]
+        bodies = [self._full_response(request_id, f, chat=False, first_index=i * len(f.outputs),
+                                      echo=echo) for i, f in enumerate(finals)]
         body = bodies[0]
         body["choices"] = [c for b in bodies for c in b["choices"]]
         usages = [b["usage"] for b in bodies]
@@ -183,7 +186,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ responses
     def _full_response(self, request_id: str, out: RequestOutput, chat: bool,
-                       first_index: int = 0) -> dict:
+                       first_index: int = 0, echo: bool = False) -> dict:
         choices = []
         for c in out.outputs:   # n > 1: one choice per sample
             choice: dict[str, Any] = {"index": first_index + c.index, "logprobs": None,
@@ -192,10 +195,14 @@ class OpenAIServing:
             if chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
-                choice["text"] = c.text
+                choice["text"] = (out.prompt or "") + c.text if echo else c.text
             if c.logprobs is not None:
                 choice["logprobs"] = (chat_logprobs(c, self._top_k(c)) if chat
-                                      else completion_logprobs(c))
+                                      else completion_logprobs(
+                                          c, out.prompt_logprobs if echo else None,
+                                          out.prompt_token_ids, self._decode_one))
+            if out.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs)
             choices.append(choice)
         return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": now(), "model": self.model_name, "choices": choices,
@@ -203,6 +210,10 @@ class OpenAIServing:
                                     sum(len(c.token_ids) for c in out.outputs),
                                     out.num_cached_tokens),
                 "kv_transfer_params": getattr(out, "kv_transfer_params", None)}
+
+    def _decode_one(self, token_id: int) -> str:
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else ""
 
     def _top_k(self, c: Any) -> int:
         """How many alternatives each position has (the ranks 1..k present)."""
@@ -282,19 +293,40 @@ def _token_text(lp: Any, token_id: int) -> str:
     return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
 
 
-def completion_logprobs(c: Any) -> dict:
+def completion_logprobs(c: Any, prompt_logprobs: Optional[list] = None,
+                        prompt_token_ids: Optional[list[int]] = None,
+                        decode: Any = None) -> dict:
     """OpenAI's completion logprobs (vLLM's ``CompletionLogProbs``): per token its text, logprob,
-    the alternatives by text, and its offset in the text."""
+    the alternatives by text, and its offset in the text; with ``echo`` the prompt's tokens first
+    (the first prompt token has no logprob: ``null``)."""
     tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
-    for tok, pos in zip(c.token_ids, c.logprobs):
-        text = _token_text(pos[tok], tok)
-        tokens.append(text)
-        token_logprobs.append(max(pos[tok].logprob, -9999.0))
-        top.append({_token_text(lp, t): max(lp.logprob, -9999.0) for t, lp in pos.items()})
+    positions = list(zip(c.token_ids, c.logprobs))
+    if prompt_logprobs is not None:
+        positions = list(zip(prompt_token_ids, prompt_logprobs)) + positions
+    for tok, pos in positions:
+        if pos is None:   # the first prompt token
+            text = decode(tok) if decode is not None else f"token_id:{tok}"
+            tokens.append(text)
+            token_logprobs.append(None)
+            top.append(None)
+        else:
+            text = _token_text(pos[tok], tok)
+            tokens.append(text)
+            token_logprobs.append(max(pos[tok].logprob, -9999.0))
+            top.append({_token_text(lp, t): max(lp.logprob, -9999.0) for t, lp in pos.items()})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
             "text_offset": offsets}
+
+
+def prompt_logprobs_body(prompt_logprobs: list) -> list:
+    """vLLM's ``prompt_logprobs`` on a choice: per prompt token ``None`` or
+    ``{token_id: {"logprob", "rank", "decoded_token"}}``."""
+    return [None if pos is None else {
+        str(t): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank,
+                 "decoded_token": lp.decoded_token} for t, lp in pos.items()}
+        for pos in prompt_logprobs]
 
 
 def chat_logprobs(c: Any, top_k: int) -> dict:

@@ -11,6 +11,31 @@ import os
 import pytest
 import torch
 
+from quick import QUICK, quick_name
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: the quick tier (tests/quick.py), pytest -q -m quick")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the quick tier (tests/quick.py). Under ``-m quick`` a name there that matches no
+    collected test is an error, so the table cannot go stale."""
+    seen = set()
+    for item in items:
+        module = os.path.basename(str(item.path))
+        entry = quick_name(module, getattr(item, "originalname", item.name), item.name)
+        if entry is not None:
+            item.add_marker(pytest.mark.quick)
+            seen.add((module, entry or None))
+    if config.option.markexpr != "quick" or config.option.keyword:
+        return
+    collected_modules = {os.path.basename(str(it.path)) for it in items}
+    missing = [f"{m}::{n}" for m, names in QUICK.items() if m in collected_modules
+               for n in (names or (None,)) if (m, n) not in seen]
+    if missing:
+        raise pytest.UsageError(f"tests/quick.py names tests that do not exist: {missing}")
+
 TINY_LLAMA_DEFAULTS = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,

@@ -9,9 +9,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from minivllm.core.sched.async_scheduler import AsyncScheduler as _AsyncScheduler
-from minivllm.core.sched.output import SchedulerOutput
 from minivllm.core.sched.scheduler import Scheduler as _Scheduler
 from vllm import _missing
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.kv_cache_manager import SchedulerKVCacheManager
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import FinishReason
@@ -64,6 +64,13 @@ class SchedulerAdapter:
         if not engine_outputs and not self.log_stats:
             return {}
         return {0: EngineCoreOutputs(outputs=engine_outputs, scheduler_stats=self.make_stats())}
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
+        """minivllm resets the prefix cache only when no request holds a block."""
+        if reset_running_requests or reset_connector:
+            _missing._raise("vllm Scheduler.reset_prefix_cache(reset_running_requests / connector)")
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.kv_holding_waiting)

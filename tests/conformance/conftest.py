@@ -77,7 +77,7 @@ def _require_vllm_venv():
 # numba's llvmlite imported in-process, vLLM 0.32's CPU worker fails re-binding its Triton kernels:
 # triton_utils/dispatcher.py _rebind_kernels), not f (its call log is per process and role), not
 # g (`vllm serve` as a user runs it).
-IN_PROCESS_ENGINE = {"a_greedy.py", "h_heads.py"}
+IN_PROCESS_ENGINE = {"a_greedy.py", "h_heads.py", "i_sampling.py"}
 
 
 def vllm_env(in_process: bool = False) -> dict:

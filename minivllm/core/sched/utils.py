@@ -113,7 +113,7 @@ def record_schedule(scheduler: Any, so: Any, token_budget: int) -> None:
         total_num_scheduled_tokens=so.total_num_scheduled_tokens,
         token_budget=scheduler.max_num_scheduled_tokens, token_budget_left=token_budget,
         running=[r.request_id for r in scheduler.running],
-        waiting=[r.request_id for r in scheduler.waiting],
+        waiting=[r.request_id for r in (*scheduler.kv_holding_waiting, *scheduler.waiting)],
         statuses={r.request_id: r.status.name for r in scheduler.requests.values()})
     ids = [r.request_id for r in scheduler.running]
     snap = scheduler.kv_cache_manager.snapshot(ids)

@@ -39,7 +39,8 @@ def render_metrics(async_llm: AsyncLLM, model_name: str) -> str:
     sched = async_llm.engine.scheduler
     stats = async_llm.stats
     gauge("vllm:num_requests_running", len(sched.running), "Requests in the running batch.")
-    gauge("vllm:num_requests_waiting", len(sched.waiting), "Requests waiting to be scheduled.")
+    gauge("vllm:num_requests_waiting", len(sched.waiting) + len(sched.kv_holding_waiting),
+          "Requests waiting to be scheduled.")
     counter("vllm:prompt_tokens", stats.prompt_tokens, "Prompt tokens of started requests.")
     counter("vllm:generation_tokens", stats.generation_tokens, "Generated tokens.")
     for reason, n in sorted(stats.finished.items()):

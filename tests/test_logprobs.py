@@ -6,7 +6,7 @@ import torch
 
 from conftest import tiny_llm
 from minivllm import SamplingParams
-from minivllm.sample import rejection_sampler as R
+from minivllm.sample.ops import drafts as draft_rows
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
@@ -116,7 +116,7 @@ def test_drafts_left_uncounted_break_the_identity(engines, monkeypatch):
     """The same comparison with the rule broken on purpose (penalties ignore earlier drafts)."""
     kw = dict(frequency_penalty=0.1, max_tokens=24)
     plain = _run(engines["plain"], **kw).outputs[0].token_ids
-    monkeypatch.setattr(R, "combine_outputs_with_spec_tokens",
+    monkeypatch.setattr(draft_rows, "combine_outputs_with_spec_tokens",
                         lambda outs, ds: [list(o) for o, d in zip(outs, ds) for _ in d])
     assert _run(engines["ngram"], **kw).outputs[0].token_ids != plain
 

@@ -4,7 +4,7 @@ earlier drafts counted as outputs (torch reference and Triton, interpreted on a 
 import pytest
 import torch
 
-from minivllm.sample import rejection_sampler as R
+from minivllm.sample.ops import drafts as draft_rows
 from minivllm.sample import sampler as S
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.ops.bad_words import apply_bad_words
@@ -144,7 +144,7 @@ def test_ignoring_the_drafts_gives_a_different_answer(monkeypatch):
     md = SamplingMetadata.from_params(params, prompt_token_ids=prompt, output_token_ids=output,
                                       spec_token_ids=drafts)
     spec = SpecDecodeMetadata.make_dummy(drafts)
-    monkeypatch.setattr(R, "combine_outputs_with_spec_tokens",
+    monkeypatch.setattr(draft_rows, "combine_outputs_with_spec_tokens",
                         lambda outs, ds: [list(o) for o, d in zip(outs, ds) for _ in d])
     out = RejectionSampler("torch")(spec, None, logits, torch.zeros(3, 1, dtype=torch.int32), md)
     got = [[t for t in row if t >= 0] for row in out.tolist()]
@@ -229,7 +229,7 @@ def test_random_positions_follow_the_penalised_target():
 
 def test_random_positions_reject_the_wrong_rule(monkeypatch):
     """The same test finds drafts left uncounted (p < 1e-3)."""
-    monkeypatch.setattr(R, "combine_outputs_with_spec_tokens",
+    monkeypatch.setattr(draft_rows, "combine_outputs_with_spec_tokens",
                         lambda outs, ds: [list(o) for o, d in zip(outs, ds) for _ in d])
     (first, p0), (second, p1) = _position_distributions()
     assert _chi2_p(second, p1) < 1e-3

@@ -29,7 +29,6 @@ vectorisation 110-150 us.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from typing import Optional, TYPE_CHECKING
 
@@ -39,6 +38,7 @@ from torch import nn
 from minivllm import trace
 from minivllm.sample.logits_processor import apply_min_tokens
 from minivllm.sample.metadata import SamplingMetadata
+from minivllm.sample.ops import drafts
 from minivllm.sample.ops.builtin import apply_min_p
 from minivllm.sample.sampler import (apply_logits_processors, apply_temperature, apply_top_k_top_p,
                                      exponential_noise)
@@ -176,40 +176,6 @@ def generate_recovery_noise(batch_size: int, vocab_size: int, num_draft_tokens: 
 
 # ---------------------------------------------------------------------------------------------------
 
-def combine_outputs_with_spec_tokens(output_token_ids: list[list[int]],
-                                     draft_token_ids: list[list[int]]) -> list[list[int]]:
-    """vLLM's ``RejectionSampler._combine_outputs_with_spec_tokens``: one list per draft position,
-    the request's outputs followed by its drafts before that position (draft j is tested as if
-    drafts 0..j-1 had been output already, which they have when j is reached)."""
-    return [[*out, *drafts[:j]] for out, drafts in zip(output_token_ids, draft_token_ids)
-            for j in range(len(drafts))]
-
-
-def draft_rows_metadata(sampling_metadata: SamplingMetadata,
-                        metadata: SpecDecodeMetadata) -> SamplingMetadata:
-    """``sampling_metadata`` with one row per draft position (vLLM's ``repeat_indices``): each row
-    carries its request's penalties, bias, allowed ids and bad words, and the outputs it follows."""
-    md, num_draft = sampling_metadata, metadata.num_draft_tokens
-    repeat = [i for i, n in enumerate(num_draft) for _ in range(n)]
-    flat = metadata.draft_token_ids.tolist()
-    starts = [0, *itertools.accumulate(num_draft)]
-    drafts = [flat[starts[i]:starts[i + 1]] for i in range(len(num_draft))]
-    remap = lambda per_req: {r: per_req[i] for r, i in enumerate(repeat) if i in per_req}  # noqa: E731
-    rows = dataclasses.replace(
-        md, min_tokens={}, logit_bias=remap(md.logit_bias),
-        allowed_token_ids=remap(md.allowed_token_ids),
-        bad_words_token_ids=remap(md.bad_words_token_ids),
-        output_token_ids=combine_outputs_with_spec_tokens(md.output_token_ids, drafts))
-    if not md.no_penalties:
-        idx = torch.tensor(repeat, dtype=torch.long, device=md.presence_penalties.device)
-        rows = dataclasses.replace(
-            rows, presence_penalties=md.presence_penalties[idx],
-            frequency_penalties=md.frequency_penalties[idx],
-            repetition_penalties=md.repetition_penalties[idx],
-            prompt_token_ids=[md.prompt_token_ids[i] for i in repeat])
-    return rows
-
-
 def apply_sampling_constraints(logits: torch.Tensor, metadata: SpecDecodeMetadata,
                                sampling_metadata: SamplingMetadata, backend: str = "torch") -> torch.Tensor:
     """Temperature, min_p, top-k and top-p per draft token: each request's values repeated over its
@@ -312,12 +278,12 @@ class RejectionSampler(nn.Module):
     def apply_logits_processors(logits: torch.Tensor, sampling_metadata: SamplingMetadata,
                                 metadata: SpecDecodeMetadata) -> torch.Tensor:
         """vLLM's ``RejectionSampler.apply_logits_processors``: the sampler's processors at every
-        draft position (``draft_rows_metadata``), then ``min_tokens`` by output position (vLLM's
+        draft position (``ops/drafts.draft_rows_metadata``), then ``min_tokens`` by output position (vLLM's
         ``MinTokensLogitsProcessor.apply_with_spec_decode``), so a masked stop token is never
         accepted. Unlike vLLM 0.32 the logit bias applies here too, as in the plain sampler."""
         md = sampling_metadata
         if md.allowed_token_ids or md.bad_words_token_ids or md.logit_bias or not md.no_penalties:
-            logits = apply_logits_processors(logits, draft_rows_metadata(md, metadata))
+            logits = apply_logits_processors(logits, drafts.draft_rows_metadata(md, metadata))
         return apply_min_tokens(logits, md, metadata.num_draft_tokens)
 
     @staticmethod

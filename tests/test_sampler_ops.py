@@ -188,7 +188,6 @@ def test_bonus_row_counts_all_drafts():
 def _position_distributions(batch=12000):
     """Random rows with penalties and a bias, drafts [2, 2] (one-hot, as n-gram's): the tokens at
     the first position, and at the second when the first draft was accepted."""
-    vocab = 8
     params = SamplingParams(temperature=1.0, frequency_penalty=0.8, presence_penalty=0.3,
                             logit_bias={3: 1.0})
     l0 = torch.tensor([0.0, 0.5, 2.0, 0.2, -1.0, 0.3, 0.0, 0.1])

@@ -30,9 +30,9 @@ from minivllm.sample.logits_processor import apply_min_tokens
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.ops.bad_words import apply_bad_words
 from minivllm.sample.ops.builtin import apply_allowed_token_ids, apply_logit_bias, apply_min_p
-from minivllm.sample.ops.logprobs import (SamplerOutput, check_logprobs_mode, compute_logprobs,
-                                          logprobs_source)
+from minivllm.sample.ops.logprobs import SamplerOutput, compute_logprobs, logprobs_source
 from minivllm.sample.ops.penalties import apply_all_penalties
+from minivllm.sampling_params import check_logprobs_mode
 
 _SAMPLING_EPS = 1e-5
 # An Exp(1) draw of exactly 0 would turn a masked (probability 0) entry into 0 / 0 = NaN, which argmax

@@ -13,9 +13,6 @@ from typing import Optional
 
 import torch
 
-from minivllm.sampling_params import LOGPROBS_MODES, check_logprobs_mode  # noqa: F401
-
-
 
 def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
     return logits.log_softmax(dim=-1, dtype=torch.float32)

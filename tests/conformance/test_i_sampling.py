@@ -13,7 +13,7 @@ import pytest
 
 ATOL = 1e-4
 TIE_GAP = 1e-3
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 
 
 def _cases(tok) -> list[dict]:

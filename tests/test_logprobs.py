@@ -1,6 +1,7 @@
 """Logprobs and penalties through the engine on a tiny model: vLLM's shapes, the numbers equal to
 log_softmax of the logits that logprobs_mode names (the model's own, from transformers), prompt
-logprobs, and greedy output plus logprobs identical with and without n-gram speculation."""
+logprobs, and greedy output plus logprobs identical with and without speculation (n-gram, also
+asynchronously scheduled, the draft model, EAGLE, Medusa)."""
 import pytest
 import torch
 
@@ -15,14 +16,17 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama_dir, tmp_path_factory):
-    from learned_heads import make_eagle_head
+    from learned_heads import make_eagle_head, make_medusa_head
     eagle = make_eagle_head(tmp_path_factory.mktemp("eagle_head"), tiny_llama_dir)
+    medusa = make_medusa_head(tmp_path_factory.mktemp("medusa_head"), tiny_llama_dir)
     return {"plain": tiny_llm(tiny_llama_dir), "ngram": tiny_llm(tiny_llama_dir, NGRAM),
             "ngram_async": tiny_llm(tiny_llama_dir, NGRAM, async_scheduling=True),
             "draft_model": tiny_llm(tiny_llama_dir, dict(method="draft_model", model=tiny_llama_dir,
                                                          num_speculative_tokens=3)),
             "eagle": tiny_llm(tiny_llama_dir, dict(method="eagle", model=eagle,
-                                                   num_speculative_tokens=3))}
+                                                   num_speculative_tokens=3)),
+            "medusa": tiny_llm(tiny_llama_dir, dict(method="medusa", model=medusa,
+                                                    num_speculative_tokens=3))}
 
 
 def _hf_logits(model_dir, token_ids):
@@ -89,7 +93,8 @@ PENALISED = [dict(frequency_penalty=0.1, max_tokens=24), dict(frequency_penalty=
 
 # Every field with n-gram; one penalty and one mask with the other methods (time).
 CASES = ([("ngram", kw) for kw in PENALISED]
-         + [(m, PENALISED[i]) for m in ("ngram_async", "draft_model", "eagle") for i in (0, 3)])
+         + [(m, PENALISED[i]) for m in ("ngram_async", "draft_model", "eagle", "medusa")
+            for i in (0, 3)])
 
 
 @pytest.mark.parametrize("method,kw", CASES, ids=lambda x: x if isinstance(x, str) else ",".join(x))

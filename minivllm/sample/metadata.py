@@ -106,8 +106,9 @@ class SamplingMetadata:
                 min_tokens[i] = (p.min_tokens, done, sorted(p.all_stop_token_ids))
         md = cls(temperature=temperature, all_greedy=all_greedy, all_random=all_random,
                  top_p=top_p, top_k=top_k, generators=generators, min_tokens=min_tokens,
-                 output_token_ids=[list(t) for t in output_token_ids],
-                 spec_token_ids=None if spec_token_ids is None else [list(t) for t in spec_token_ids])
+                 # References, not copies: the ops only read them (vLLM's metadata does the same).
+                 output_token_ids=list(output_token_ids),
+                 spec_token_ids=None if spec_token_ids is None else list(spec_token_ids))
         _fill_logits_processor_fields(md, params, prompt_token_ids, device)
         return md
 
@@ -121,7 +122,7 @@ def _fill_logits_processor_fields(md: SamplingMetadata, params: Sequence[Samplin
         md.presence_penalties = t("presence_penalty")
         md.frequency_penalties = t("frequency_penalty")
         md.repetition_penalties = t("repetition_penalty")
-        md.prompt_token_ids = ([list(x) for x in prompt_token_ids] if prompt_token_ids is not None
+        md.prompt_token_ids = (list(prompt_token_ids) if prompt_token_ids is not None
                                else [[] for _ in params])
     if any(p.min_p > _SAMPLING_EPS for p in params):
         md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)

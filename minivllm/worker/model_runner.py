@@ -9,7 +9,8 @@ One engine step on the worker, in the article's order:
   and the KV connector's context manager (P/D "context manager") → the logits. Returns ``None``: the
   step goes on in ``sample_tokens`` (a step with nothing scheduled returns its output at once).
 - ``sample_tokens()``: sampling, or the rejection sampler when drafts were scheduled (spec step 7)
-  → ``_bookkeeping_sync`` → ``propose_draft_token_ids`` (spec step 2).
+  → ``_bookkeeping_sync`` → ``propose_draft_token_ids`` (spec step 2). The logprobs of the
+  sampled tokens and the prompt (``worker/logprobs.py``) ride on the ``ModelRunnerOutput``.
 
 This class is the article's runner. vLLM 0.32's variants (the runner's half of async scheduling,
 ``defer_finalize``, probabilistic drafting, the 0.32 connector context) are mixins beside it in
@@ -36,10 +37,10 @@ from minivllm.forward_context import set_forward_context
 from minivllm.model_executor.model_loader import load_model
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.sampler import Sampler
-from minivllm.worker.logprobs import LogprobsRunnerMixin
 from minivllm.steps import BREAKS, at_step
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
 from minivllm.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+from minivllm.worker.logprobs import LogprobsRunnerMixin
 
 if TYPE_CHECKING:   # loaded with spec decode only
     from minivllm.sample.rejection_sampler import RejectionSampler

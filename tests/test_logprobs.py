@@ -146,3 +146,16 @@ def test_prompt_logprobs_over_prefill_chunks_and_a_cached_prefix(engines, tiny_l
         for a, b in zip(whole[1:], out.prompt_logprobs[1:]):
             assert list(a) == list(b)
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logits"])
+def test_logprobs_modes_under_speculation_equal_plain(tiny_llama_dir, engines, mode):
+    """The accepted and bonus tokens' numbers come from the target's (processed) logits."""
+    kw = dict(frequency_penalty=0.1, logit_bias={230: 0.5}, max_tokens=24, logprobs=3,
+              prompt_logprobs=1)
+    plain = _run(tiny_llm(tiny_llama_dir, logprobs_mode=mode), **kw)
+    spec = _run(tiny_llm(tiny_llama_dir, NGRAM, logprobs_mode=mode), **kw)
+    a, b = plain.outputs[0], spec.outputs[0]
+    assert a.token_ids == b.token_ids
+    for x, y in zip(a.logprobs + plain.prompt_logprobs[1:], b.logprobs + spec.prompt_logprobs[1:]):
+        assert list(x) == list(y) and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)

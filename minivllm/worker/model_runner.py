@@ -9,8 +9,7 @@ One engine step on the worker, in the article's order:
   and the KV connector's context manager (P/D "context manager") → the logits. Returns ``None``: the
   step goes on in ``sample_tokens`` (a step with nothing scheduled returns its output at once).
 - ``sample_tokens()``: sampling, or the rejection sampler when drafts were scheduled (spec step 7)
-  → ``_bookkeeping_sync`` → ``propose_draft_token_ids`` (spec step 2). The logprobs of the
-  sampled tokens and the prompt (``worker/logprobs.py``) ride on the ``ModelRunnerOutput``.
+  → ``_bookkeeping_sync`` → ``propose_draft_token_ids`` (spec step 2); logprobs: worker/logprobs.py.
 
 This class is the article's runner. vLLM 0.32's variants (the runner's half of async scheduling,
 ``defer_finalize``, probabilistic drafting, the 0.32 connector context) are mixins beside it in

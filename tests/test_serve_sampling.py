@@ -120,13 +120,22 @@ def test_n_gives_n_choices(client, llm):
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert [c.text for c in r.choices] == [c.text for w in want for c in w.outputs]
     assert r.choices[0].text != r.choices[1].text and r.usage.completion_tokens == 20
-    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
-                                          max_tokens=4, temperature=1.0, seed=1, n=3)
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model="smol", messages=msgs, max_tokens=4,
+                                          temperature=1.0, seed=1, n=3)
     assert [c.index for c in chat.choices] == [0, 1, 2]
+    # Streamed: each choice's deltas, by index, add up to the non-streamed choice.
+    texts, reasons = ["", "", ""], [None] * 3
+    for chunk in client.chat.completions.create(model="smol", messages=msgs, max_tokens=4,
+                                                temperature=1.0, seed=1, n=3, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert texts == [c.message.content for c in chat.choices] and reasons == ["length"] * 3
 
 
 @pytest.mark.parametrize("kw,field", [
-    (dict(n=2, temperature=0.0), "n"), (dict(n=2, stream=True), "n"),
+    (dict(n=2, temperature=0.0), "n"), (dict(echo=True, stream=True), "echo"),
     (dict(extra_body={"top_logprobs": 2}), "top_logprobs"),
 ])
 def test_unsupported_combinations_are_400(client, kw, field):

@@ -13,7 +13,7 @@ vllm/entrypoints/openai/{completion,chat_completion}/protocol.py (``CompletionRe
   logprobs / top_logprobs at most 20) and its 64-bit ``seed``. They are declared on the fields, so
   ``/openapi.json`` states them and a fuzzer can read them.
 - ``logprobs`` (completions: top k per token; chat: ``logprobs`` + ``top_logprobs``) come back in
-  OpenAI's shapes (serving.py), streamed too; ``n > 1`` with ``stream=true`` is a 400 for now.
+  OpenAI's shapes (serving.py), streamed too; ``n > 1`` gives n choices (streamed: by ``index``).
 - A completion ``prompt`` may be a list of strings (or of token-id lists): one choice per prompt.
   ``echo`` puts the prompt before the completion's text (and, with ``logprobs``, the prompt's
   logprobs before its tokens', the first ``null``), as vLLM does; not streamed for now.
@@ -80,7 +80,7 @@ class _SamplingFields(OpenAIBaseModel):
     stop_token_ids: Optional[list[TokenId]] = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    n: Annotated[int, Field(ge=1, le=16384, description="Not with stream=true.")] = 1
+    n: Annotated[int, Field(ge=1, le=16384)] = 1
     # OpenAI's penalties and bias, vLLM's repetition_penalty and min_p (SamplingParams' ranges).
     presence_penalty: Optional[Annotated[Float, Field(ge=-2.0, le=2.0)]] = None
     frequency_penalty: Optional[Annotated[Float, Field(ge=-2.0, le=2.0)]] = None
@@ -97,8 +97,6 @@ class _SamplingFields(OpenAIBaseModel):
 
     def check_supported(self) -> None:
         """``ValueError`` (HTTP 400) for what this server does not do, before anything is queued."""
-        if self.n != 1 and self.stream:
-            raise ValueError(f"n: n > 1 cannot be streamed by this server, got {self.n}.")
         self.num_logprobs()   # top_logprobs without logprobs is a 400
 
     def num_logprobs(self) -> Optional[int]:

@@ -222,11 +222,10 @@ class OpenAIServing:
         first = c.logprobs[0] if c.logprobs else {}
         return sum(1 for lp in first.values() if lp.rank is not None and lp.rank <= len(first))
 
-    def _stream_logprobs(self, out: RequestOutput, chat: bool, start: int) -> Optional[dict]:
-        """The logprobs of tokens ``start:`` of the output, in the response's shape: each chunk
-        carries those of the tokens that arrived since the last, so together they are the
+    def _stream_logprobs(self, c: Any, chat: bool, start: int) -> Optional[dict]:
+        """The logprobs of tokens ``start:`` of completion ``c``, in the response's shape: each
+        chunk carries those of the tokens that arrived since the last, so together they are the
         non-streamed response's."""
-        c = out.outputs[0]
         if c.logprobs is None or start >= len(c.logprobs):
             return None
         if chat:
@@ -235,8 +234,9 @@ class OpenAIServing:
 
     def _chunk(self, request_id: str, chat: bool, delta: Optional[str],
                finish_reason: Optional[str] = None, role: bool = False,
-               logprobs: Optional[dict] = None) -> str:
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+               logprobs: Optional[dict] = None, index: int = 0) -> str:
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs,
+                                  "finish_reason": finish_reason}
         if chat:
             choice["delta"] = ({"role": "assistant", "content": ""} if role
                                else ({"content": delta} if delta else {}))
@@ -249,37 +249,48 @@ class OpenAIServing:
     async def _stream(self, request_id: str, first: RequestOutput,
                       gen: AsyncIterator[RequestOutput], stop: list[str], chat: bool,
                       include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events; with ``n > 1`` each choice's chunks carry its ``index``."""
         holdback = max((len(s) for s in stop), default=1) - 1
-        sent = lp_sent = 0
+        n = len(first.outputs)
+        sent, lp_sent, done = [0] * n, [0] * n, [False] * n
         out = first
         try:
             if chat:
-                yield self._chunk(request_id, chat, None, role=True)
+                for i in range(n):
+                    yield self._chunk(request_id, chat, None, role=True, index=i)
             while True:
-                text = out.outputs[0].text
-                end = len(text) if out.finished else max(sent, len(text) - holdback)
-                while end > sent and not out.finished and text[end - 1] == "\ufffd":
-                    end -= 1
-                if end > sent:
-                    lps = self._stream_logprobs(out, chat, lp_sent)
-                    lp_sent = len(out.outputs[0].token_ids)
-                    yield self._chunk(request_id, chat, text[sent:end], logprobs=lps)
-                    sent = end
+                for i, c in enumerate(out.outputs):
+                    if done[i]:
+                        continue
+                    finished = out.finished or c.finish_reason is not None
+                    text = c.text
+                    end = len(text) if finished else max(sent[i], len(text) - holdback)
+                    while end > sent[i] and not finished and text[end - 1] == "\ufffd":
+                        end -= 1
+                    if end > sent[i]:
+                        lps = self._stream_logprobs(c, chat, lp_sent[i])
+                        lp_sent[i] = len(c.token_ids)
+                        yield self._chunk(request_id, chat, text[sent[i]:end], logprobs=lps,
+                                          index=i)
+                        sent[i] = end
+                    if not finished:
+                        continue
+                    done[i] = True
+                    if c.finish_reason == "error":   # kv_load_failure_policy="fail"
+                        yield f"data: {json.dumps(error_body('KV load failed', 'InternalServerError', 500))}\n\n"
+                    else:
+                        yield self._chunk(request_id, chat, None, finish_reason=c.finish_reason,
+                                          logprobs=self._stream_logprobs(c, chat, lp_sent[i]),
+                                          index=i)
                 if out.finished:
                     break
                 out = await gen.__anext__()
-            if out.outputs[0].finish_reason == "error":   # kv_load_failure_policy="fail"
-                yield f"data: {json.dumps(error_body('KV load failed', 'InternalServerError', 500))}\n\n"
-            else:
-                yield self._chunk(request_id, chat, None, finish_reason=out.outputs[0].finish_reason,
-                                  logprobs=self._stream_logprobs(out, chat, lp_sent))
             if include_usage:
-                c = out.outputs[0]
                 usage = {"id": request_id, "object": "chat.completion.chunk" if chat
                          else "text_completion", "created": now(), "model": self.model_name,
-                         "choices": [], "usage": usage_body(len(out.prompt_token_ids),
-                                                            len(c.token_ids),
-                                                            out.num_cached_tokens)}
+                         "choices": [], "usage": usage_body(
+                             len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
+                             out.num_cached_tokens)}
                 yield f"data: {json.dumps(usage)}\n\n"
             params = getattr(out, "kv_transfer_params", None)
             if params is not None:

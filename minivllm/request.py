@@ -82,8 +82,9 @@ class Request:
         # nothing, so no drafts are kept for it (vLLM's is_prefill_chunk).
         self.is_prefill_chunk = False
         # A request that must compute every prompt position reads no cached KV, neither the local
-        # prefix cache nor the connector's (vLLM's skip_reading_prefix_cache).
-        self.skip_reading_prefix_cache = False
+        # prefix cache nor the connector's (vLLM's skip_reading_prefix_cache): one asking for
+        # prompt logprobs, as in vLLM's get_skip_reading_prefix_cache.
+        self.skip_reading_prefix_cache = sampling_params.prompt_logprobs is not None
         # Local prefix-cache hit + externally loaded tokens, fixed when first scheduled.
         self.num_cached_tokens = -1
         self.num_external_computed_tokens = 0

@@ -303,7 +303,6 @@ EXPECTED_FAILURES: dict[str, tuple[str, str]] = {
     'tests/v1/core/test_prefix_caching.py::test_prefill_hybrid_model_combinations_eagle[2g-full+sw]': (MISSING, 'sliding-window and chunked-local KV groups'),
     'tests/v1/core/test_prefix_caching.py::test_prefill_hybrid_model_eagle': (MISSING, 'sliding-window and chunked-local KV groups'),
     'tests/v1/core/test_prefix_caching.py::test_prefill_hybrid_model_mamba_align': (MISSING, 'Mamba / hybrid-model KV groups'),
-    'tests/v1/core/test_prefix_caching.py::test_prefill_plp': (SAMPLING, 'prompt logprobs'),
     'tests/v1/core/test_prefix_caching.py::test_prefix_cache_hit_uses_per_group_dcp_geometry[False]': (MISSING, 'MLA attention KV specs'),
     'tests/v1/core/test_prefix_caching.py::test_prefix_cache_hit_uses_per_group_dcp_geometry[True]': (MISSING, 'MLA attention KV specs'),
     'tests/v1/core/test_prefix_caching.py::test_prefix_cache_stats_disabled': (MISSING, 'log_stats=False (minivllm always counts its prefix-cache stats)'),

@@ -99,8 +99,6 @@ class LLMEngine:
             params.max_tokens = max_model_len - len(token_ids)
         request = self.scheduler.make_request(request_id, token_ids, params, self.eos_token_id,
                                               prompt=text)
-        # vLLM skips the prefix cache for prompt logprobs: every prompt position must be computed.
-        request.skip_reading_prefix_cache = params.prompt_logprobs is not None
         self._requests[request_id] = request
         if params.logprobs is not None or params.prompt_logprobs is not None:
             self._logprobs[request_id] = LogprobsProcessor(params, self.tokenizer, token_ids)

@@ -192,3 +192,111 @@ def test_vllm_extras_bad_words_allowed_ids_prompt_logprobs_echo(client, llm):
     assert e.logprobs.token_logprobs[0] is None
     assert len(e.logprobs.tokens) == r.usage.prompt_tokens + 3
     assert "".join(e.logprobs.tokens) == e.text
+
+
+# ---------------------------------------------------------------- no documented field is ignored
+def _post(server, route: str, body: dict):
+    """(status, the answer without its id and timestamp) of one raw request; a stream's answer is
+    its events' text with ids and timestamps blanked."""
+    import json
+    import re
+
+    import httpx
+    r = httpx.post(f"{server}/v1/{route}", json=body, timeout=120)
+    if r.status_code != 200 or not body.get("stream"):
+        data = r.json()
+        if isinstance(data, dict):
+            data.pop("id", None), data.pop("created", None)
+        return r.status_code, json.dumps(data, sort_keys=True)
+    return 200, re.sub(r'"(id|created)": ?("[^"]*"|\d+)', "", r.text)
+
+
+def _bannable_word(tokenizer, ids: list[int]) -> str:
+    """A word that bans one of the greedy answer's tokens by vLLM's rule: its text, spaces
+    stripped, tokenises to that token alone (a word whose stripped form splits into more tokens
+    bans only that longer sequence)."""
+    for t in ids:
+        word = tokenizer.decode([t]).strip()
+        if word and tokenizer.encode(word, add_special_tokens=False) == [t]:
+            return word
+    raise AssertionError(f"no single-token word among {ids}")
+
+
+def _common_cases(llm, prompt: str) -> dict:
+    """Per request field: (the base request's extra fields, the same with the field set). Each
+    pair is chosen so that a server that dropped the field would give the same answer twice; the
+    stops and bad words come from the greedy answer to ``prompt`` (as the server renders it)."""
+    from minivllm import SamplingParams
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8),
+                          use_tqdm=False)[0].outputs[0]
+    ids, text = list(greedy.token_ids), greedy.text
+    eos = llm.get_tokenizer().eos_token_id
+    rand = {"temperature": 1.0, "seed": 3}
+    biased = {"logit_bias": BIAS}
+    common = {
+        "model": ({}, {"model": "another-model"}),
+        "temperature": ({}, {"temperature": 1.5, "seed": 1}),
+        "top_p": (rand, {**rand, "top_p": 0.05}),
+        "top_k": (rand, {**rand, "top_k": 1}),
+        "min_tokens": ({"stop_token_ids": [ids[1]]}, {"stop_token_ids": [ids[1]], "min_tokens": 5}),
+        "seed": ({"temperature": 1.0, "seed": 1}, {"temperature": 1.0, "seed": 2}),
+        "stop": ({}, {"stop": [text[2:5]]}),
+        "stop_token_ids": ({}, {"stop_token_ids": [ids[1]]}),
+        "ignore_eos": ({"logit_bias": {str(eos): 100}}, {"logit_bias": {str(eos): 100}, "ignore_eos": True}),
+        "include_stop_str_in_output": ({"stop": [text[2:5]]},
+                                       {"stop": [text[2:5]], "include_stop_str_in_output": True}),
+        "n": (rand, {**rand, "n": 2}),
+        "presence_penalty": (biased, {**biased, "presence_penalty": 2.0}),
+        "frequency_penalty": (biased, {**biased, "frequency_penalty": 1.5}),
+        "repetition_penalty": (biased, {**biased, "repetition_penalty": 1.8}),
+        "min_p": (rand, {**rand, "min_p": 0.5}),
+        "logit_bias": ({}, {"logit_bias": {"100": 100.0}}),
+        "bad_words": ({}, {"bad_words": [_bannable_word(llm.get_tokenizer(), ids)]}),
+        "allowed_token_ids": ({}, {"allowed_token_ids": [5, 6]}),
+        "prompt_logprobs": ({}, {"prompt_logprobs": 1}),
+        "stream": ({}, {"stream": True}),
+        "stream_options": ({"stream": True}, {"stream": True, "stream_options": {"include_usage": True}}),
+        "max_tokens": ({}, {"max_tokens": 2}),
+    }
+    return common
+
+
+def _field_cases(llm):
+    chat_prompt = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
+    common = _common_cases(llm, PROMPT)
+    completion = {**common, "prompt": ({}, {"prompt": "Once upon a time"}),
+                  "echo": ({}, {"echo": True}), "logprobs": ({}, {"logprobs": 2})}
+    chat = {**_common_cases(llm, chat_prompt), "messages": ({}, {"messages": [{"role": "user", "content": "Hi there"}]}),
+            "max_completion_tokens": ({}, {"max_completion_tokens": 2}),
+            "add_generation_prompt": ({}, {"add_generation_prompt": False}),
+            "logprobs": ({}, {"logprobs": True}),
+            "top_logprobs": ({"logprobs": True}, {"logprobs": True, "top_logprobs": 3})}
+    return completion, chat
+
+
+# Fields whose effect needs more than one server, tested where they act.
+EXEMPT = {"kv_transfer_params": "P/D only: the proxy hands P's params to D (tests/test_disagg.py); "
+                                "a server without a KV connector ignores them, as vLLM's does"}
+
+
+def test_every_documented_field_changes_the_answer_or_is_refused(server, llm):
+    """No field the request models document (and /openapi.json publishes) is silently ignored: each,
+    set to a value other than its default, changes the answer or is a 4xx. A new field without a
+    case here fails the test."""
+    from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    completion, chat = _field_cases(llm)
+    assert set(completion) | set(EXEMPT) == set(CompletionRequest.model_fields)
+    assert set(chat) | set(EXEMPT) == set(ChatCompletionRequest.model_fields)
+    base_bodies = {"completions": {"model": "smol", "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+                   "chat/completions": {"model": "smol", "max_tokens": 8, "temperature": 0,
+                                        "messages": [{"role": "user", "content": PROMPT}]}}
+    ignored = []
+    for route, cases in (("completions", completion), ("chat/completions", chat)):
+        for field, (base, changed) in cases.items():
+            status0, before = _post(server, route, {**base_bodies[route], **base})
+            assert status0 == 200, (route, field, before)
+            status, after = _post(server, route, {**base_bodies[route], **changed})
+            if status == 200 and after == before:
+                ignored.append(f"{route}: {field}")
+    assert not ignored, f"fields that changed nothing: {ignored}"

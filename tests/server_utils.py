@@ -127,14 +127,16 @@ def pid_alive(pid: int) -> bool:
 
 @contextmanager
 def launch_cluster(model_dir: str, log_path: str, kv_connector: str, server_args: str,
-                   num_prefill: int = 1, num_decode: int = 2, timeout: float = 240.0):
-    """``python -m minivllm.disagg.launch`` on 127.0.0.1, yielding its ``CLUSTER`` line (proxy and
-    instance URLs, pids) plus ``launcher`` and ``log``. On exit the launcher gets SIGTERM, and any
-    child it left behind is killed by pid."""
+                   num_prefill: int = 1, num_decode: int = 2, timeout: float = 240.0,
+                   num_threads: int = 3, extra_args: tuple[str, ...] = ()):
+    """``python -m minivllm.disagg.launch`` (on 127.0.0.1 unless ``extra_args`` say otherwise),
+    yielding its ``CLUSTER`` line (proxy and instance URLs, pids) plus ``launcher`` and ``log``.
+    On exit the launcher gets SIGTERM, and any child it left behind is killed by pid."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "minivllm.disagg.launch", "--prefill", str(num_prefill),
          "--decode", str(num_decode), "--port", str(free_port()), "--model", model_dir,
-         "--num-threads", "3", "--kv-connector", kv_connector, "--server-args", server_args],
+         "--num-threads", str(num_threads), "--kv-connector", kv_connector,
+         "--server-args", server_args, *extra_args],
         stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=child_env())
     info, deadline = None, time.monotonic() + timeout
     while info is None and time.monotonic() < deadline and proc.poll() is None:
@@ -155,3 +157,14 @@ def launch_cluster(model_dir: str, log_path: str, kv_connector: str, server_args
         for pid in (info or {}).get("pids", {}).values():   # never leave a child behind
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def complete_in_turn(client, model: str, prompts: list[str], i: int, max_tokens: int = 8) -> str:
+    """Request ``i`` of a mixed workload through the ``openai`` client: greedy, every token
+    produced (``ignore_eos``), even requests whole, odd ones streamed."""
+    kw = dict(model=model, prompt=prompts[i], max_tokens=max_tokens, temperature=0,
+              extra_body={"ignore_eos": True})
+    if i % 2 == 0:
+        return client.completions.create(**kw).choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)
+                   if c.choices)

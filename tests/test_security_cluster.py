@@ -21,8 +21,6 @@ import os
 import re
 import signal
 import ssl
-import subprocess
-import sys
 import time
 
 import httpx
@@ -30,7 +28,7 @@ import openai
 import pytest
 
 from security_utils import assert_no_secrets, make_tls, metric, start
-from server_utils import child_env, free_port, pid_alive, stop
+from server_utils import complete_in_turn, free_port, launch_cluster, pid_alive, stop
 
 NUM_REQUESTS = 8
 LEASE_S = 6.0
@@ -45,40 +43,19 @@ def cluster(tiny_chat_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("secure_cluster")
     log_path = str(folder / "launch.log")
     tls = make_tls(str(folder))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "minivllm.disagg.launch", "--prefill", "1", "--decode", "1",
-         "--port", str(free_port()), "--model", tiny_chat_dir, "--num-threads", "2",
-         "--kv-connector", "ZmqPullConnector", "--server-args", SERVER_ARGS, "--secure",
-         "--prefill-host", "127.0.0.1", "--decode-host", "127.0.0.2",
-         "--kv-extra-config", json.dumps({"kv_lease_duration": LEASE_S}),
-         "--ssl-keyfile", tls["key"], "--ssl-certfile", tls["cert"], "--backend-ca", tls["ca"]],
-        stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=child_env())
-    info, key, deadline = None, None, time.monotonic() + 240
-    while info is None and time.monotonic() < deadline and proc.poll() is None:
-        for line in open(log_path):
-            if line.startswith("API key: "):
-                key = line.split(": ", 1)[1].strip()
-            if line.startswith("CLUSTER "):
-                info = json.loads(line[len("CLUSTER "):])
-        time.sleep(0.5)
-    try:
-        assert info is not None and key, open(log_path).read()[-3000:]
+    extra = ("--secure", "--prefill-host", "127.0.0.1", "--decode-host", "127.0.0.2",
+             "--kv-extra-config", json.dumps({"kv_lease_duration": LEASE_S}),
+             "--ssl-keyfile", tls["key"], "--ssl-certfile", tls["cert"], "--backend-ca", tls["ca"])
+    with launch_cluster(tiny_chat_dir, log_path, "ZmqPullConnector", SERVER_ARGS, num_decode=1,
+                        num_threads=2, extra_args=extra) as info:
+        keys = [line.split(": ", 1)[1].strip() for line in open(log_path)
+                if line.startswith("API key: ")]
+        assert keys, open(log_path).read()[-3000:]
         curve = os.path.join(info["secrets_dir"], "curve")
         secret_keys = [re.search(r'secret-key = "(.+)"', open(os.path.join(curve, f)).read())
                        .group(1) for f in os.listdir(curve) if f.endswith(".key_secret")]
-        yield {**info, "key": key, "launcher": proc, "log": log_path, "folder": folder,
-               "secret_keys": secret_keys,
+        yield {**info, "key": keys[0], "folder": folder, "secret_keys": secret_keys,
                "verify": ssl.create_default_context(cafile=tls["ca"])}
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for pid in (info or {}).get("pids", {}).values():   # never leave a child behind
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -100,16 +77,9 @@ def test_two_hosts_secured_cluster_equals_one_instance(cluster, tiny_chat_dir, r
     client = openai.OpenAI(base_url=cluster["proxy"] + "/v1", api_key=cluster["key"],
                            max_retries=0, timeout=120, http_client=httpx.Client(verify=v))
 
-    def complete(i: int) -> str:
-        kw = dict(model=tiny_chat_dir, prompt=PROMPTS[i], max_tokens=8, temperature=0,
-                  extra_body={"ignore_eos": True})
-        if i % 2 == 0:
-            return client.completions.create(**kw).choices[0].text
-        return "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)
-                       if c.choices)
-
     with cf.ThreadPoolExecutor(4) as pool:
-        got = list(pool.map(complete, range(NUM_REQUESTS)))
+        got = list(pool.map(lambda i: complete_in_turn(client, tiny_chat_dir, PROMPTS, i),
+                            range(NUM_REQUESTS)))
     assert got == reference
     records = httpx.get(cluster["proxy"] + "/proxy/requests", verify=v,
                         headers={"Authorization": f"Bearer {cluster['key']}"}).json()

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from server_utils import free_port, launch_cluster, metric
+from server_utils import complete_in_turn, free_port, launch_cluster, metric
 
 NUM_REQUESTS = 8
 PROMPTS = [f"Request {i}: the quick brown fox jumps over the lazy dog, then the dog sleeps under "
@@ -36,16 +36,9 @@ def test_pull_cluster_equals_one_instance(cluster, tiny_chat_dir):
     client = openai.OpenAI(base_url=cluster["proxy"] + "/v1", api_key="EMPTY", max_retries=0,
                            timeout=120)
 
-    def complete(i: int) -> str:
-        kw = dict(model=tiny_chat_dir, prompt=PROMPTS[i], max_tokens=8, temperature=0,
-                  extra_body={"ignore_eos": True})
-        if i % 2 == 0:
-            return client.completions.create(**kw).choices[0].text
-        return "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)
-                       if c.choices)
-
     with cf.ThreadPoolExecutor(4) as pool:
-        got = list(pool.map(complete, range(NUM_REQUESTS)))
+        got = list(pool.map(lambda i: complete_in_turn(client, tiny_chat_dir, PROMPTS, i),
+                            range(NUM_REQUESTS)))
     assert got == reference
     assert cluster["kv_connector"] == "ZmqPullConnector" and "kvstore" not in cluster["pids"]
     records = httpx.get(cluster["proxy"] + "/proxy/requests").json()

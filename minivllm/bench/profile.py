@@ -8,7 +8,8 @@ requests), in its own subprocess:
 2. a second ``generate`` with timers wrapped around the engine's own pieces gives the breakdown,
    per step: projections (every ``Linear`` of the target but the LM head), LM head, attention
    (``Attention``: ``reshape_and_cache`` + paged attention), norm and rotary (``RMSNorm``,
-   ``RotaryEmbedding``), sampling or rejection, drafter (``propose_draft_token_ids``, everything
+   ``RotaryEmbedding``), sampling or rejection (``_sample``, ``_rejection_sample``), drafter
+   (``propose_draft_token_ids``, everything
    inside it), scheduler (``schedule``, ``update_from_output``, ``update_draft_token_ids``), input
    preparation (``_update_states``, ``_prepare_inputs``), model other (embedding, residual adds,
    activation, module calls) and other (the rest of the step). Times are exclusive: a timer nested
@@ -70,19 +71,6 @@ class StepTimers:
         return timed
 
 
-class _Timed:
-    """A callable object (the sampler) timed as ``category``; attributes pass through."""
-
-    def __init__(self, obj, timed_call) -> None:
-        self.__dict__["_obj"], self.__dict__["_call"] = obj, timed_call
-
-    def __call__(self, *args, **kwargs):
-        return self._call(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._obj, name)
-
-
 def install(llm, timers: StepTimers) -> None:
     """Wrap the engine's pieces of ``llm`` (instance attributes only) with ``timers``."""
     from minivllm.attention.layer import Attention
@@ -97,10 +85,8 @@ def install(llm, timers: StepTimers) -> None:
         setattr(runner, name, timers.wrap(getattr(runner, name), "input preparation"))
     if runner.drafter is not None:
         runner.propose_draft_token_ids = timers.wrap(runner.propose_draft_token_ids, "drafter")
-    for name in ("sampler", "rejection_sampler"):
-        obj = getattr(runner, name, None)
-        if obj is not None:
-            setattr(runner, name, _Timed(obj, timers.wrap(obj, "sampling or rejection")))
+    for name in ("_sample", "_rejection_sample"):   # the runner's two ways to pick the tokens
+        setattr(runner, name, timers.wrap(getattr(runner, name), "sampling or rejection"))
     model = runner.model
     model.forward = timers.wrap(model.forward, "model other")
     model.compute_logits = timers.wrap(model.compute_logits, "model other")

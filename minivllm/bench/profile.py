@@ -9,8 +9,7 @@ requests), in its own subprocess:
    per step: projections (every ``Linear`` of the target but the LM head), LM head, attention
    (``Attention``: ``reshape_and_cache`` + paged attention), norm and rotary (``RMSNorm``,
    ``RotaryEmbedding``), sampling or rejection (``_sample``, ``_rejection_sample``), drafter
-   (``propose_draft_token_ids``, everything
-   inside it), scheduler (``schedule``, ``update_from_output``, ``update_draft_token_ids``), input
+   (``propose_draft_token_ids``, everything inside it), scheduler (``schedule``, ``update_from_output``, ``update_draft_token_ids``), input
    preparation (``_update_states``, ``_prepare_inputs``), model other (embedding, residual adds,
    activation, module calls) and other (the rest of the step). Times are exclusive: a timer nested
    in another is subtracted from it. The timers are installed on instances only for this run, so

@@ -73,6 +73,19 @@ class StepTimers:
         return timed
 
 
+class _Timed:
+    """A callable object (an older tree's sampler) timed as a category; attributes pass through."""
+
+    def __init__(self, obj, timed_call) -> None:
+        self.__dict__["_obj"], self.__dict__["_call"] = obj, timed_call
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._obj, name)
+
+
 def install(llm, timers: StepTimers) -> None:
     """Wrap the engine's pieces of ``llm`` (instance attributes only) with ``timers``."""
     from minivllm.attention.layer import Attention
@@ -87,8 +100,14 @@ def install(llm, timers: StepTimers) -> None:
         setattr(runner, name, timers.wrap(getattr(runner, name), "input preparation"))
     if runner.drafter is not None:
         runner.propose_draft_token_ids = timers.wrap(runner.propose_draft_token_ids, "drafter")
-    for name in ("_sample", "_rejection_sample"):   # the runner's two ways to pick the tokens
-        setattr(runner, name, timers.wrap(getattr(runner, name), "sampling or rejection"))
+    if hasattr(runner, "_sample"):   # the runner's two ways to pick the tokens
+        for name in ("_sample", "_rejection_sample"):
+            setattr(runner, name, timers.wrap(getattr(runner, name), "sampling or rejection"))
+    else:   # a tree from before the runner's split (profiled with --base): its sampler objects
+        for name in ("sampler", "rejection_sampler"):
+            obj = getattr(runner, name, None)
+            if obj is not None:
+                setattr(runner, name, _Timed(obj, timers.wrap(obj, "sampling or rejection")))
     model = runner.model
     model.forward = timers.wrap(model.forward, "model other")
     model.compute_logits = timers.wrap(model.compute_logits, "model other")

@@ -159,6 +159,15 @@ def launch_cluster(model_dir: str, log_path: str, kv_connector: str, server_args
                 os.kill(pid, signal.SIGKILL)
 
 
+# The mixed workload of the launched-cluster tests: prompts longer than one KV block, so P's KV
+# moves to D.
+NUM_CLUSTER_REQUESTS = 8
+CLUSTER_PROMPTS = [f"Request {i}: the quick brown fox jumps over the lazy dog, then the dog sleeps "
+                   f"under the old oak tree while the fox counts to {i * 7} and back again."
+                   for i in range(NUM_CLUSTER_REQUESTS)]
+CLUSTER_SERVER_ARGS = "--max-model-len 512 --num-gpu-blocks-override 128"
+
+
 def complete_in_turn(client, model: str, prompts: list[str], i: int, max_tokens: int = 8) -> str:
     """Request ``i`` of a mixed workload through the ``openai`` client: greedy, every token
     produced (``ignore_eos``), even requests whole, odd ones streamed."""

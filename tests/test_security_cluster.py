@@ -28,14 +28,11 @@ import openai
 import pytest
 
 from security_utils import assert_no_secrets, make_tls, metric, start
-from server_utils import complete_in_turn, free_port, launch_cluster, pid_alive, stop
+from server_utils import (CLUSTER_PROMPTS as PROMPTS, CLUSTER_SERVER_ARGS as SERVER_ARGS,
+                          NUM_CLUSTER_REQUESTS as NUM_REQUESTS, complete_in_turn, free_port,
+                          launch_cluster, pid_alive, stop)
 
-NUM_REQUESTS = 8
 LEASE_S = 6.0
-PROMPTS = [f"Request {i}: the quick brown fox jumps over the lazy dog, then the dog sleeps under "
-           f"the old oak tree while the fox counts to {i * 7} and back again." for i in
-           range(NUM_REQUESTS)]
-SERVER_ARGS = "--max-model-len 512 --num-gpu-blocks-override 128"
 
 
 @pytest.fixture(scope="module")

@@ -136,9 +136,10 @@ def process_weights_after_loading(model: nn.Module) -> KernelChoices:
         # them); the rest are dropped here.
         routes = {choices.chosen[shape_key(weights[0], m)] for m in ROW_BUCKETS}
         copies = prepared.get(i, {})
-        if (routes & set(PREPARE)) - set(copies):
+        missing = (routes & set(PREPARE)) - set(copies)   # warm cache: nothing was packed to time
+        if missing:
             with torch.no_grad():
-                copies.update(prepare_operands(weights, (routes & set(PREPARE)) - set(copies)))
+                copies.update(prepare_operands(weights, missing))
         for name in routes & set(copies):
             for mod, copy in zip(mods, copies[name]):
                 mod.quant_method.set_prepared(mod, name, copy)

@@ -58,12 +58,10 @@ def _short(value: Any, limit: int = 240) -> str:
 
 def _decisions(frame: Any) -> list[str]:
     """spec.7: the accept/reject decision per draft, from the tensors the sampler just used."""
-    from minivllm.sample.rejection_sampler import _build_record, _is_greedy
+    from minivllm.sample.verify_record import build_record
     f = frame.f_locals
-    out = f["output"]
-    records = _build_record(f["metadata"], f["draft_probs"], f["target_probs"], f["target_argmax"],
-                            f["uniform_probs"], _is_greedy(f["sampling_metadata"], out.shape[0],
-                                                           out.device), out)
+    records = build_record(f["metadata"], f["sampling_metadata"], f["target_logits"], f["draft_probs"],
+                           f["target_probs"], f["target_argmax"], f["uniform_probs"], f["output"])
     lines = []
     for row, positions in enumerate(records):
         parts = []

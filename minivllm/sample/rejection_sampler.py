@@ -268,10 +268,10 @@ class RejectionSampler(nn.Module):
             sampling_metadata, self.backend)
         if BREAKS and at_step("spec.7"): breakpoint()
         if self.record or trace.is_recording():
-            records = _build_record(metadata, draft_probs, target_probs, target_argmax, uniform_probs,
-                                    _is_greedy(sampling_metadata, output.shape[0], output.device), output)
             # The model runner turns these into "spec_verify" trace events keyed by request id.
-            self.last_record = records
+            from minivllm.sample.verify_record import build_record
+            self.last_record = build_record(metadata, sampling_metadata, target_logits, draft_probs,
+                                            target_probs, target_argmax, uniform_probs, output)
         return output
 
     @staticmethod
@@ -313,39 +313,3 @@ def _check_inputs(metadata, draft_probs, target_logits, bonus_token_ids, samplin
     temperature = sampling_metadata.temperature
     if not sampling_metadata.all_greedy and (temperature is None or temperature.numel() != batch):
         raise ValueError(f"sampling_metadata.temperature must be [batch={batch}] unless all greedy.")
-
-
-def _build_record(metadata, draft_probs, target_probs, target_argmax, uniform_probs, is_greedy,
-                  output) -> list[list[dict]]:
-    """The per-position decisions, gathered from the same tensors the kernels read."""
-    draft = metadata.draft_token_ids.long()
-    idx = draft.clamp(min=0).unsqueeze(-1)
-    counts = torch.tensor(metadata.num_draft_tokens, dtype=torch.long, device=draft.device)
-    greedy_tok = is_greedy.repeat_interleave(counts, output_size=draft.numel())
-    accepted = draft == target_argmax
-    if uniform_probs is not None:
-        accepted = torch.where(greedy_tok, accepted,
-                               random_accept_mask(draft, draft_probs, target_probs, uniform_probs))
-    p_target = target_probs.gather(-1, idx).squeeze(-1).tolist()
-    p_draft = (torch.ones(draft.shape) if draft_probs is None
-               else draft_probs.gather(-1, idx).squeeze(-1).cpu())
-    p_draft = torch.where(draft.cpu() >= 0, p_draft, 0.0).tolist()   # a -1 placeholder: nothing drafted
-    uniform = None if uniform_probs is None else uniform_probs.tolist()
-    greedy_tok, accepted, draft, out = greedy_tok.tolist(), accepted.tolist(), draft.tolist(), output.tolist()
-    records, start = [], 0
-    for i, n in enumerate(metadata.num_draft_tokens):
-        positions = []
-        for j in range(n):
-            t = start + j
-            positions.append(dict(
-                draft_token_id=draft[t], p_target=p_target[t], p_draft=p_draft[t],
-                uniform=None if greedy_tok[t] else uniform[t], accepted=accepted[t],
-                kind="accepted" if accepted[t] else "recovered", output_token_id=out[i][j]))
-            if not accepted[t]:
-                break
-        else:
-            positions.append(dict(draft_token_id=None, p_target=None, p_draft=None, uniform=None,
-                                  accepted=False, kind="bonus", output_token_id=out[i][n]))
-        records.append(positions)
-        start += n
-    return records

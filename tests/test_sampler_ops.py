@@ -6,9 +6,10 @@ import torch
 
 from minivllm.sample.ops import drafts as draft_rows
 from minivllm.sample import sampler as S
+from minivllm.sample.ops import processors
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.ops.bad_words import apply_bad_words
-from minivllm.sample.ops.builtin import apply_min_p
+from minivllm.sample.sampler import apply_min_p
 from minivllm.sample.ops.penalties import apply_all_penalties
 from minivllm.sample.rejection_sampler import RejectionSampler
 from minivllm.sample.sampler import Sampler, apply_logits_processors
@@ -182,7 +183,7 @@ def test_bonus_row_counts_all_drafts():
     logits = torch.tensor([[0.0, 0.0, 3.0, 0.5]])
     assert Sampler()(logits, md).item() == 2
     assert Sampler()(logits, md, num_draft_tokens=[2]).item() == 3
-    assert S.combine_outputs_with_spec_tokens([[1]], [[2, 2, 7]], [2]) == [[1, 2, 2]]
+    assert processors.combine_outputs_with_spec_tokens([[1]], [[2, 2, 7]], [2]) == [[1, 2, 2]]
 
 
 def _position_distributions(batch=12000):

@@ -56,6 +56,12 @@ class SamplingMetadata:
     def no_penalties(self) -> bool:
         return self.presence_penalties is None
 
+    @property
+    def needs_logits_processors(self) -> bool:
+        """Whether a row asked for one of vLLM 0.32's logits processors (``ops/processors.py``)."""
+        return bool(self.allowed_token_ids or self.bad_words_token_ids or self.min_tokens
+                    or self.logit_bias) or not self.no_penalties
+
     @classmethod
     def from_params(
         cls,

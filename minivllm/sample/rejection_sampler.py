@@ -36,19 +36,15 @@ import torch
 from torch import nn
 
 from minivllm import trace
-from minivllm.sample.logits_processor import apply_min_tokens
+from minivllm.sample.accept import GREEDY_TEMPERATURE, _is_greedy, random_accept_mask
 from minivllm.sample.metadata import SamplingMetadata
-from minivllm.sample.ops import drafts
-from minivllm.sample.ops.builtin import apply_min_p
-from minivllm.sample.sampler import (apply_logits_processors, apply_temperature, apply_top_k_top_p,
-                                     exponential_noise)
+from minivllm.sample.sampler import apply_min_p, apply_temperature, apply_top_k_top_p, exponential_noise
 from minivllm.steps import BREAKS, at_step
 
 if TYPE_CHECKING:   # spec_decode sits above sampling (its drafters sample); only the annotation
     from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
 PLACEHOLDER_TOKEN_ID = -1
-GREEDY_TEMPERATURE = 0.0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -59,18 +55,6 @@ def expand_batch_to_tokens_torch(x, cu_num_tokens, num_tokens, max_spec_len, rep
     counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
     x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
     return x.repeat_interleave(counts, output_size=num_tokens)
-
-
-def random_accept_mask(draft_token_ids, draft_probs, target_probs, uniform_probs) -> torch.Tensor:
-    """Per draft token: does it pass ``p_d > 0 and p_t / p_d >= u`` (float32 ratio, float64 compare)?
-    A -1 placeholder never passes."""
-    real = draft_token_ids >= 0
-    idx = draft_token_ids.long().clamp(min=0).unsqueeze(-1)
-    p_target = target_probs.gather(-1, idx).squeeze(-1)
-    if draft_probs is None:
-        return real & (p_target >= uniform_probs)
-    p_draft = draft_probs.gather(-1, idx).squeeze(-1)
-    return real & (p_draft > 0) & (p_target / p_draft >= uniform_probs)
 
 
 def accept_left_to_right(output_token_ids, rows, cu_num_draft_tokens, draft_token_ids, accepted,
@@ -217,12 +201,6 @@ def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_dra
     return output, uniform_probs
 
 
-def _is_greedy(sampling_metadata: SamplingMetadata, batch_size: int, device) -> torch.Tensor:
-    if sampling_metadata.all_greedy or sampling_metadata.all_random:
-        return torch.full((batch_size,), sampling_metadata.all_greedy, dtype=torch.bool, device=device)
-    return sampling_metadata.temperature == GREEDY_TEMPERATURE
-
-
 class RejectionSampler(nn.Module):
     """``backend``: "torch", "triton", or "auto" (Triton on CUDA, the torch reference otherwise).
 
@@ -278,13 +256,12 @@ class RejectionSampler(nn.Module):
     def apply_logits_processors(logits: torch.Tensor, sampling_metadata: SamplingMetadata,
                                 metadata: SpecDecodeMetadata) -> torch.Tensor:
         """vLLM's ``RejectionSampler.apply_logits_processors``: the sampler's processors at every
-        draft position (``ops/drafts.draft_rows_metadata``), then ``min_tokens`` by output position (vLLM's
-        ``MinTokensLogitsProcessor.apply_with_spec_decode``), so a masked stop token is never
-        accepted. Unlike vLLM 0.32 the logit bias applies here too, as in the plain sampler."""
-        md = sampling_metadata
-        if md.allowed_token_ids or md.bad_words_token_ids or md.logit_bias or not md.no_penalties:
-            logits = apply_logits_processors(logits, drafts.draft_rows_metadata(md, metadata))
-        return apply_min_tokens(logits, md, metadata.num_draft_tokens)
+        draft position, the earlier drafts counted as outputs (``ops/processors.py``), when a
+        request asked for one."""
+        if not sampling_metadata.needs_logits_processors:
+            return logits
+        from minivllm.sample.ops import processors
+        return processors.apply_draft_logits_processors(logits, sampling_metadata, metadata)
 
     @staticmethod
     def parse_output(output_token_ids: torch.Tensor, vocab_size: int,

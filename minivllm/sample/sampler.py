@@ -21,17 +21,13 @@ and no normalisation, and a seeded row can draw its own ``q`` with its own gener
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
-from minivllm.sample.logits_processor import apply_min_tokens
 from minivllm.sample.metadata import SamplingMetadata
-from minivllm.sample.ops.bad_words import apply_bad_words
-from minivllm.sample.ops.builtin import apply_allowed_token_ids, apply_logit_bias, apply_min_p
-from minivllm.sample.ops.logprobs import SamplerOutput, compute_logprobs, logprobs_source
-from minivllm.sample.ops.penalties import apply_all_penalties
 from minivllm.sampling_params import check_logprobs_mode
 
 _SAMPLING_EPS = 1e-5
@@ -40,10 +36,27 @@ _SAMPLING_EPS = 1e-5
 _TINY = torch.finfo(torch.float32).tiny
 
 
+@dataclass
+class SamplerOutput:
+    """vLLM's ``SamplerOutput`` (vllm/v1/outputs.py): ``sampled_token_ids`` ``[rows]`` int64;
+    ``logprobs`` ``[rows, vocab]``: what ``logprobs_mode`` names for each row (``None`` when no row
+    asked for logprobs), gathered later per request (``ops/logprobs.gather_logprobs``)."""
+    sampled_token_ids: torch.Tensor
+    logprobs: Optional[torch.Tensor] = None
+
+
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """``logits [n, vocab] / temperature [n]``; rows with temperature 0 (greedy) are divided by 1."""
     temperature = torch.where(temperature < _SAMPLING_EPS, torch.ones_like(temperature), temperature)
     return logits / temperature.unsqueeze(-1).to(logits.dtype)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``MinPLogitsProcessor.apply``: drop tokens whose probability is below ``min_p`` times
+    the row's largest. ``logits`` ``[rows, vocab]`` after temperature, ``min_p`` ``[rows]``."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, k: Optional[torch.Tensor],
@@ -91,38 +104,15 @@ def compute_probs(logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> 
     return process_logits(logits, sampling_metadata).softmax(dim=-1, dtype=torch.float32)
 
 
-def combine_outputs_with_spec_tokens(output_token_ids: list[list[int]],
-                                     spec_token_ids: Optional[list[list[int]]],
-                                     num_draft_tokens: list[int]) -> list[list[int]]:
-    """vLLM's ``Sampler._combine_outputs_with_spec_tokens``: a bonus row follows all its request's
-    drafts, so they count as outputs there (penalties, bad words)."""
-    if spec_token_ids is None:
-        return output_token_ids
-    return [[*out, *spec[:n]] for out, spec, n in zip(output_token_ids, spec_token_ids,
-                                                      num_draft_tokens)]
-
-
 def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata,
                             num_draft_tokens: Optional[list[int]] = None) -> torch.Tensor:
-    """vLLM's ``Sampler.apply_logits_processors`` on float32 ``logits`` ``[n, vocab]``, in its order:
-    allowed-token mask, bad words, min_tokens, logit bias, penalties. With ``num_draft_tokens`` the
-    rows are bonus rows (``min_tokens`` and the counted outputs include the drafts)."""
-    output_token_ids = md.output_token_ids
-    if num_draft_tokens is not None and (md.bad_words_token_ids or not md.no_penalties):
-        output_token_ids = combine_outputs_with_spec_tokens(output_token_ids, md.spec_token_ids,
-                                                            num_draft_tokens)
-    if md.allowed_token_ids or md.bad_words_token_ids or md.logit_bias or not md.no_penalties:
-        logits = logits.clone()   # the ops below write in place; the caller's logits stay
-    logits = apply_allowed_token_ids(logits, md.allowed_token_ids)
-    if md.bad_words_token_ids:
-        apply_bad_words(logits, md.bad_words_token_ids, output_token_ids)
-    logits = apply_min_tokens(logits, md, num_draft_tokens, bonus=num_draft_tokens is not None)
-    logits = apply_logit_bias(logits, md.logit_bias)
-    if not md.no_penalties:
-        logits = apply_all_penalties(logits, md.prompt_token_ids, md.presence_penalties,
-                                     md.frequency_penalties, md.repetition_penalties,
-                                     output_token_ids)
-    return logits
+    """vLLM 0.32's logits processors (``ops/processors.py``) on float32 ``logits`` ``[n, vocab]``,
+    when any row asked for one; the article's sampler needs none. With ``num_draft_tokens`` the rows
+    are bonus rows (their drafts count as outputs)."""
+    if not md.needs_logits_processors:
+        return logits
+    from minivllm.sample.ops import processors
+    return processors.apply_logits_processors(logits, md, num_draft_tokens)
 
 
 def exponential_noise(shape: tuple[int, int], generators: dict[int, torch.Generator],
@@ -164,6 +154,8 @@ class Sampler(nn.Module):
         """vLLM's ``Sampler.forward``: steps 1-4 of the module docstring."""
         mode = logprobs_mode or self.logprobs_mode
         wants_logprobs = sampling_metadata.max_num_logprobs is not None
+        if wants_logprobs:   # the numbers to return: vLLM 0.32's logprobs (ops/logprobs.py)
+            from minivllm.sample.ops.logprobs import compute_logprobs, logprobs_source
         raw = logprobs_source(logits, mode) if wants_logprobs and mode.startswith("raw") else None
         logits = apply_logits_processors(logits.float(), sampling_metadata, num_draft_tokens)
         sampled, processed = self.sample(logits, sampling_metadata)

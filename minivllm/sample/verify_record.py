@@ -11,7 +11,7 @@ from typing import Optional, TYPE_CHECKING
 import torch
 
 from minivllm.sample.metadata import SamplingMetadata
-from minivllm.sample.rejection_sampler import _is_greedy, random_accept_mask
+from minivllm.sample.accept import _is_greedy, random_accept_mask
 
 if TYPE_CHECKING:
     from minivllm.spec_decode.metadata import SpecDecodeMetadata

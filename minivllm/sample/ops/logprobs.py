@@ -9,7 +9,6 @@ top-k and top-p: what the token was drawn from).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -53,11 +52,3 @@ def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int,
     ranks = batched_count_greater_than(logprobs, token_logprobs)
     return LogprobsTensors(torch.cat((token_ids, topk_indices), dim=1).to(torch.int32),
                            torch.cat((token_logprobs, topk_logprobs), dim=1), ranks)
-
-
-@dataclass
-class SamplerOutput:
-    """``sampled_token_ids`` ``[rows]`` int64; ``logprobs`` ``[rows, vocab]``: what ``logprobs_mode``
-    names for each row (``None`` when no row asked for logprobs), gathered later per request."""
-    sampled_token_ids: torch.Tensor
-    logprobs: Optional[torch.Tensor] = None

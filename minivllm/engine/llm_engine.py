@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import copy
 
-from typing import Any, Optional, Union
+from typing import Any, Optional, TYPE_CHECKING, Union
 
 from minivllm.config import VllmConfig
 from minivllm.engine.core import EngineCore
-from minivllm.engine.logprobs import LogprobsProcessor
-from minivllm.engine.parallel_sampling import ParentRequest
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:   # loaded when a request asks for logprobs or n > 1
+    from minivllm.engine.logprobs import LogprobsProcessor
+    from minivllm.engine.parallel_sampling import ParentRequest
 
 PromptType = Union[str, dict]
 
@@ -101,6 +103,7 @@ class LLMEngine:
                                               prompt=text)
         self._requests[request_id] = request
         if params.logprobs is not None or params.prompt_logprobs is not None:
+            from minivllm.engine.logprobs import LogprobsProcessor
             self._logprobs[request_id] = LogprobsProcessor(params, self.tokenizer, token_ids)
         self.engine_core.add_request(request)
         return request
@@ -110,6 +113,7 @@ class LLMEngine:
         """``n > 1``: n child requests (``parallel_sampling.ParentRequest``); returns the first."""
         self.validate_prompt(prompt)
         self.verify_sampling_params(params)
+        from minivllm.engine.parallel_sampling import ParentRequest
         parent = ParentRequest(request_id, params)
         children = []
         for i in range(parent.n):

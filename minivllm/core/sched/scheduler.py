@@ -31,7 +31,6 @@ from minivllm.core.sched.utils import (ComputedTokens, ScheduledRequests, check_
                                        make_cached_request_data, record_schedule,
                                        schedule_spec_tokens)
 from minivllm.request import Request, RequestStatus
-from minivllm.spec_decode.metrics import SpecDecodingStats
 from minivllm.steps import BREAKS, at_step
 
 
@@ -62,7 +61,10 @@ class Scheduler(KVTransferMixin):
         # lookahead slots, as vLLM 0.32's num_lookahead_tokens (config/vllm.py) gives them; n-gram
         # and Medusa write no KV and reserve none.
         self.num_lookahead_tokens = self.num_spec_tokens if spec and spec.needs_lookahead_slots else 0
-        self.spec_decoding_stats = SpecDecodingStats(self.num_spec_tokens) if spec else None
+        self.spec_decoding_stats = None
+        if spec:
+            from minivllm.spec_decode.metrics import SpecDecodingStats
+            self.spec_decoding_stats = SpecDecodingStats(self.num_spec_tokens)
 
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks=num_gpu_blocks, block_size=self.block_size,

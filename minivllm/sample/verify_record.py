@@ -2,19 +2,42 @@
 
 ``RejectionSampler.forward`` calls ``build_record`` only when someone records (``sampler.record``,
 or a recording trace step); it is not part of the article's step, so it lives beside it. Per
-request, per position up to and including the emitted token, one dict (see ``RejectionSampler``).
+request, per position up to and including the emitted token, one dict (see ``build_record``).
+
+Beside each decision the record keeps the one the sampler would have made had the logits processors
+(penalties, bad words) ignored the drafts, each draft row counting only its request's committed
+outputs: the mistake vLLM 0.32's ``RejectionSampler.apply_logits_processors`` /
+``_combine_outputs_with_spec_tokens`` avoid, which notebook 02 shows step by step.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, TYPE_CHECKING
 
 import torch
 
-from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.accept import _is_greedy, random_accept_mask
+from minivllm.sample.metadata import SamplingMetadata
 
 if TYPE_CHECKING:
     from minivllm.spec_decode.metadata import SpecDecodeMetadata
+
+
+def _processed_drafts_ignored(target_logits: torch.Tensor, md: SamplingMetadata,
+                              metadata: "SpecDecodeMetadata") -> torch.Tensor:
+    """``ops/processors.apply_draft_logits_processors`` with the drafts left out of each draft row's
+    outputs: ``[num_draft_tokens, vocab]`` float32."""
+    from minivllm.sample.logits_processor import apply_min_tokens
+    from minivllm.sample.ops import drafts, processors
+    repeat = [i for i, n in enumerate(metadata.num_draft_tokens) for _ in range(n)]
+    rows = dataclasses.replace(drafts.draft_rows_metadata(md, metadata),
+                               output_token_ids=[md.output_token_ids[i] for i in repeat])
+    logits = processors.apply_logits_processors(target_logits, rows)
+    return apply_min_tokens(logits, md, metadata.num_draft_tokens)
+
+
+def _at_drafts(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return logits.gather(-1, idx).squeeze(-1)
 
 
 def build_record(metadata: "SpecDecodeMetadata", sampling_metadata: SamplingMetadata,
@@ -24,22 +47,62 @@ def build_record(metadata: "SpecDecodeMetadata", sampling_metadata: SamplingMeta
     """The per-position decisions, gathered from the same tensors the kernels read.
 
     ``target_logits`` ``[num_draft_tokens, vocab]``: the target's logits before the logits
-    processors; ``target_probs`` what the drafts were tested against (after them)."""
-    is_greedy = _is_greedy(sampling_metadata, output.shape[0], output.device)
+    processors; ``target_probs`` ``[num_draft_tokens, vocab]`` what the drafts were tested against
+    (after them and the sampling constraints); ``target_argmax`` ``[num_draft_tokens]``;
+    ``uniform_probs`` ``[num_draft_tokens]`` or ``None`` (all greedy); ``output`` ``[batch, k + 1]``.
+
+    Per request, one dict per position up to and including the emitted token:
+
+    - ``draft_token_id`` (None for a bonus), ``p_target``, ``p_draft`` (1.0 for one-hot drafts),
+      ``uniform`` (None on greedy rows), ``accepted``, ``kind`` (accepted | recovered | bonus; a
+      greedy mismatch emits the target argmax, which counts as recovered), ``output_token_id``;
+    - draft positions only: ``penalty``, what the logits processors added to the draft token's logit
+      (processed minus raw, ``-inf`` when masked), the earlier drafts of the request counted as
+      outputs, as the sampler did; ``penalty_drafts_ignored``, ``p_target_drafts_ignored`` and
+      ``accepted_if_drafts_ignored``: the same with only the request's committed outputs counted,
+      and the decision the sampler's rule (greedy: argmax equality; random: ``random_accept_mask``
+      with the same uniform) gives then.
+
+    A bonus position has None in the first four fields, ``accepted`` False and no ``penalty`` or
+    ``*drafts_ignored`` fields (no draft was tested); a -1 placeholder draft has None penalties.
+    """
+    from minivllm.sample.rejection_sampler import RejectionSampler, apply_sampling_constraints
+    md = sampling_metadata
+    is_greedy = _is_greedy(md, output.shape[0], output.device)
     draft = metadata.draft_token_ids.long()
     idx = draft.clamp(min=0).unsqueeze(-1)
     counts = torch.tensor(metadata.num_draft_tokens, dtype=torch.long, device=draft.device)
     greedy_tok = is_greedy.repeat_interleave(counts, output_size=draft.numel())
-    accepted = draft == target_argmax
-    if uniform_probs is not None:
-        accepted = torch.where(greedy_tok, accepted,
-                               random_accept_mask(draft, draft_probs, target_probs, uniform_probs))
-    p_target = target_probs.gather(-1, idx).squeeze(-1).tolist()
+
+    raw = target_logits.float()
+    processed = RejectionSampler.apply_logits_processors(raw, md, metadata)
+    ignored = _processed_drafts_ignored(raw, md, metadata) if md.needs_logits_processors else processed
+    constrained_ignored = apply_sampling_constraints(ignored, metadata, md)
+    probs_ignored = constrained_ignored.softmax(dim=-1, dtype=torch.float32)
+
+    def decide(probs: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+        accepted = draft == argmax
+        if uniform_probs is None:
+            return accepted
+        return torch.where(greedy_tok, accepted,
+                           random_accept_mask(draft, draft_probs, probs, uniform_probs))
+
+    real = draft >= 0
+    accepted = decide(target_probs, target_argmax)
+    accepted_ignored = decide(probs_ignored, constrained_ignored.argmax(dim=-1))
+    penalty = [p if r else None for p, r in zip(
+        (_at_drafts(processed, idx) - _at_drafts(raw, idx)).tolist(), real.tolist())]
+    penalty_ignored = [p if r else None for p, r in zip(
+        (_at_drafts(ignored, idx) - _at_drafts(raw, idx)).tolist(), real.tolist())]
+    p_target = _at_drafts(target_probs, idx).tolist()
+    p_target_ignored = _at_drafts(probs_ignored, idx).tolist()
     p_draft = (torch.ones(draft.shape) if draft_probs is None
-               else draft_probs.gather(-1, idx).squeeze(-1).cpu())
+               else _at_drafts(draft_probs, idx).cpu())
     p_draft = torch.where(draft.cpu() >= 0, p_draft, 0.0).tolist()   # a -1 placeholder: nothing drafted
     uniform = None if uniform_probs is None else uniform_probs.tolist()
-    greedy_tok, accepted, draft, out = greedy_tok.tolist(), accepted.tolist(), draft.tolist(), output.tolist()
+    greedy_tok, accepted, accepted_ignored = greedy_tok.tolist(), accepted.tolist(), accepted_ignored.tolist()
+    draft, out = draft.tolist(), output.tolist()
+
     records, start = [], 0
     for i, n in enumerate(metadata.num_draft_tokens):
         positions = []
@@ -48,7 +111,10 @@ def build_record(metadata: "SpecDecodeMetadata", sampling_metadata: SamplingMeta
             positions.append(dict(
                 draft_token_id=draft[t], p_target=p_target[t], p_draft=p_draft[t],
                 uniform=None if greedy_tok[t] else uniform[t], accepted=accepted[t],
-                kind="accepted" if accepted[t] else "recovered", output_token_id=out[i][j]))
+                kind="accepted" if accepted[t] else "recovered", output_token_id=out[i][j],
+                penalty=penalty[t], penalty_drafts_ignored=penalty_ignored[t],
+                p_target_drafts_ignored=p_target_ignored[t],
+                accepted_if_drafts_ignored=accepted_ignored[t]))
             if not accepted[t]:
                 break
         else:

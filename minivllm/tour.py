@@ -61,7 +61,8 @@ def _decisions(frame: Any) -> list[str]:
     from minivllm.sample.verify_record import build_record
     f = frame.f_locals
     records = build_record(f["metadata"], f["sampling_metadata"], f["target_logits"], f["draft_probs"],
-                           f["target_probs"], f["target_argmax"], f["uniform_probs"], f["output"])
+                           f["target_probs"], f["target_argmax"], f["uniform_probs"], f["output"],
+                           f["self"])
     lines = []
     for row, positions in enumerate(records):
         parts = []

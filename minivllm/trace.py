@@ -27,7 +27,7 @@ Event kinds (each a plain dict with ``"kind"`` plus the fields listed):
   draft_token_ids [per request: k ids]
 - ``"spec_verify"``: req_id, positions [ {draft_token_id, p_target, p_draft, uniform, accepted, kind,
   output_token_id; on draft positions also penalty, penalty_drafts_ignored, p_target_drafts_ignored,
-  accepted_if_drafts_ignored} ]  (kind in accepted | recovered | bonus; penalty: processed minus raw
+  accepted_if_drafts_ignored, target_argmax, target_argmax_drafts_ignored} ]  (kind in accepted | recovered | bonus; penalty: processed minus raw
   logit of the draft, earlier drafts counted as outputs; *_drafts_ignored: only committed outputs
   counted; sample/verify_record.py)
 - ``"connector"``: role, method, req_id (optional), args, result, bytes

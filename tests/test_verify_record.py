@@ -43,6 +43,7 @@ def test_counting_the_drafts_flips_a_greedy_decision():
     assert [p["penalty_drafts_ignored"] for p in positions] == [-1.0, -1.0]
     assert [p["accepted"] for p in positions] == [True, False]
     assert [p["accepted_if_drafts_ignored"] for p in positions] == [True, True]
+    assert [(p["target_argmax"], p["target_argmax_drafts_ignored"]) for p in positions] == [(A, A), (B, A)]
     # p_target_drafts_ignored: the softmax of the logits with only the committed A counted.
     ignored = logits[1].clone()
     ignored[A] -= 1.0

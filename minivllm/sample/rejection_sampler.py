@@ -249,8 +249,10 @@ class RejectionSampler(nn.Module):
             # The model runner turns these into "spec_verify" trace events keyed by request id.
             from minivllm.sample.verify_record import build_record
             self.last_record = build_record(metadata, sampling_metadata, target_logits, draft_probs,
-                                            target_probs, target_argmax, uniform_probs, output)
+                                            target_probs, target_argmax, uniform_probs, output, self)
         return output
+
+    apply_sampling_constraints = staticmethod(apply_sampling_constraints)   # the record re-applies it
 
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, sampling_metadata: SamplingMetadata,

@@ -20,6 +20,7 @@ from minivllm.sample.accept import _is_greedy, random_accept_mask
 from minivllm.sample.metadata import SamplingMetadata
 
 if TYPE_CHECKING:
+    from minivllm.sample.rejection_sampler import RejectionSampler
     from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
 
@@ -43,7 +44,8 @@ def _at_drafts(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def build_record(metadata: "SpecDecodeMetadata", sampling_metadata: SamplingMetadata,
                  target_logits: torch.Tensor, draft_probs: Optional[torch.Tensor],
                  target_probs: torch.Tensor, target_argmax: torch.Tensor,
-                 uniform_probs: Optional[torch.Tensor], output: torch.Tensor) -> list[list[dict]]:
+                 uniform_probs: Optional[torch.Tensor], output: torch.Tensor,
+                 sampler: "RejectionSampler") -> list[list[dict]]:
     """The per-position decisions, gathered from the same tensors the kernels read.
 
     ``target_logits`` ``[num_draft_tokens, vocab]``: the target's logits before the logits
@@ -61,12 +63,13 @@ def build_record(metadata: "SpecDecodeMetadata", sampling_metadata: SamplingMeta
       outputs, as the sampler did; ``penalty_drafts_ignored``, ``p_target_drafts_ignored`` and
       ``accepted_if_drafts_ignored``: the same with only the request's committed outputs counted,
       and the decision the sampler's rule (greedy: argmax equality; random: ``random_accept_mask``
-      with the same uniform) gives then.
+      with the same uniform) gives then; ``target_argmax`` and ``target_argmax_drafts_ignored``, the
+      argmax token of each variant (a greedy row's decision: the argmax can move because other
+      tokens' penalties change, the draft's own unchanged).
 
     A bonus position has None in the first four fields, ``accepted`` False and no ``penalty`` or
     ``*drafts_ignored`` fields (no draft was tested); a -1 placeholder draft has None penalties.
     """
-    from minivllm.sample.rejection_sampler import RejectionSampler, apply_sampling_constraints
     md = sampling_metadata
     is_greedy = _is_greedy(md, output.shape[0], output.device)
     draft = metadata.draft_token_ids.long()
@@ -75,9 +78,9 @@ def build_record(metadata: "SpecDecodeMetadata", sampling_metadata: SamplingMeta
     greedy_tok = is_greedy.repeat_interleave(counts, output_size=draft.numel())
 
     raw = target_logits.float()
-    processed = RejectionSampler.apply_logits_processors(raw, md, metadata)
+    processed = sampler.apply_logits_processors(raw, md, metadata)
     ignored = _processed_drafts_ignored(raw, md, metadata) if md.needs_logits_processors else processed
-    constrained_ignored = apply_sampling_constraints(ignored, metadata, md)
+    constrained_ignored = sampler.apply_sampling_constraints(ignored, metadata, md)
     probs_ignored = constrained_ignored.softmax(dim=-1, dtype=torch.float32)
 
     def decide(probs: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
@@ -89,7 +92,8 @@ def build_record(metadata: "SpecDecodeMetadata", sampling_metadata: SamplingMeta
 
     real = draft >= 0
     accepted = decide(target_probs, target_argmax)
-    accepted_ignored = decide(probs_ignored, constrained_ignored.argmax(dim=-1))
+    argmax_ignored = constrained_ignored.argmax(dim=-1)
+    accepted_ignored = decide(probs_ignored, argmax_ignored)
     penalty = [p if r else None for p, r in zip(
         (_at_drafts(processed, idx) - _at_drafts(raw, idx)).tolist(), real.tolist())]
     penalty_ignored = [p if r else None for p, r in zip(
@@ -101,6 +105,7 @@ def build_record(metadata: "SpecDecodeMetadata", sampling_metadata: SamplingMeta
     p_draft = torch.where(draft.cpu() >= 0, p_draft, 0.0).tolist()   # a -1 placeholder: nothing drafted
     uniform = None if uniform_probs is None else uniform_probs.tolist()
     greedy_tok, accepted, accepted_ignored = greedy_tok.tolist(), accepted.tolist(), accepted_ignored.tolist()
+    argmax, argmax_ignored = target_argmax.tolist(), argmax_ignored.tolist()
     draft, out = draft.tolist(), output.tolist()
 
     records, start = [], 0
@@ -114,7 +119,8 @@ def build_record(metadata: "SpecDecodeMetadata", sampling_metadata: SamplingMeta
                 kind="accepted" if accepted[t] else "recovered", output_token_id=out[i][j],
                 penalty=penalty[t], penalty_drafts_ignored=penalty_ignored[t],
                 p_target_drafts_ignored=p_target_ignored[t],
-                accepted_if_drafts_ignored=accepted_ignored[t]))
+                accepted_if_drafts_ignored=accepted_ignored[t], target_argmax=argmax[t],
+                target_argmax_drafts_ignored=argmax_ignored[t]))
             if not accepted[t]:
                 break
         else:

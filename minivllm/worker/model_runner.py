@@ -39,7 +39,6 @@ from minivllm.sample.sampler import Sampler
 from minivllm.steps import BREAKS, at_step
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
 from minivllm.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
-from minivllm.worker.logprobs import LogprobsRunnerMixin
 
 if TYPE_CHECKING:   # loaded with spec decode only
     from minivllm.sample.rejection_sampler import RejectionSampler
@@ -93,7 +92,11 @@ class ExecuteModelState:
             self.spec_decode_metadata, sampled_token_ids)
 
 
-class ModelRunner(LogprobsRunnerMixin, KVConnectorModelRunnerMixin):
+class ModelRunner(KVConnectorModelRunnerMixin):
+    # This step's logprob rows ``[S, vocab]`` and where each request's start, when a request
+    # asked for logprobs (the numbers are gathered in worker/logprobs.py).
+    _logprobs_rows: Optional[tuple[torch.Tensor, list[int]]] = None
+
     def __init__(self, vllm_config: VllmConfig, device: torch.device, dtype: torch.dtype,
                  kv_connector: Any = None) -> None:
         self.vllm_config = vllm_config
@@ -321,6 +324,23 @@ class ModelRunner(LogprobsRunnerMixin, KVConnectorModelRunnerMixin):
                                  logprobs=self._take_logprobs(sampled_token_ids),
                                  prompt_logprobs_dict=self._get_prompt_logprobs_dict(state))
 
+    def _take_logprobs(self, sampled_token_ids: list[list[int]]) -> Optional[list]:
+        """vLLM's ``LogprobsLists``, one entry per request row; ``None`` when nobody asked."""
+        kept, self._logprobs_rows = self._logprobs_rows, None
+        if kept is None:
+            return None
+        from minivllm.worker.logprobs import take_logprobs
+        return take_logprobs(self, *kept, sampled_token_ids)
+
+    def _get_prompt_logprobs_dict(self, state: ExecuteModelState) -> dict[str, list]:
+        """vLLM's ``prompt_logprobs_dict`` for the requests that asked for prompt logprobs."""
+        params = self.input_batch.sampling_params
+        if not self.__dict__.get("_prompt_logprobs_progress") and all(
+                params[r].prompt_logprobs is None for r in self.input_batch.req_ids):
+            return {}
+        from minivllm.worker.logprobs import get_prompt_logprobs_dict
+        return get_prompt_logprobs_dict(self, state)
+
     def _prepare_sampling(self, seq_lens: np.ndarray) -> tuple[SamplingMetadata, np.ndarray]:
         """-> the batch's ``SamplingMetadata`` and ``partial`` ``[n]``: rows that are a partial
         prefill chunk (they sample nothing; their generator is left out so the discarded draw
@@ -342,7 +362,8 @@ class ModelRunner(LogprobsRunnerMixin, KVConnectorModelRunnerMixin):
         """Regular sampling, one token per request from ``logits`` ``[n, vocab]`` ([] for a
         partial prefill chunk)."""
         out = self.sampler.sample_output(logits, sampling_metadata)
-        self._keep_logprobs_rows(out.logprobs, list(range(len(partial))))
+        if out.logprobs is not None:
+            self._logprobs_rows = (out.logprobs, list(range(len(partial))))
         return [[] if partial[i] else [t] for i, t in enumerate(out.sampled_token_ids.tolist())]
 
     def _rejection_sample(self, spec_md: SpecDecodeMetadata, logits: torch.Tensor,
@@ -357,7 +378,9 @@ class ModelRunner(LogprobsRunnerMixin, KVConnectorModelRunnerMixin):
                                      logits[spec_md.target_logits_indices],
                                      bonus.sampled_token_ids.view(-1, 1).to(torch.int32),
                                      sampling_metadata)
-        self._keep_spec_logprobs_rows(spec_md, logits, bonus.logprobs)
+        if bonus.logprobs is not None:   # a request asked for logprobs
+            from minivllm.worker.logprobs import spec_logprobs_rows
+            self._logprobs_rows = spec_logprobs_rows(self, spec_md, logits, bonus.logprobs)
         if trace.is_recording() and self.rejection_sampler.last_record is not None:
             for i, rec in enumerate(self.rejection_sampler.last_record):
                 if spec_md.num_draft_tokens[i]:

@@ -116,7 +116,10 @@ def test_notebooks_are_stored_without_outputs():
     ("01_paged_kv_cache.ipynb", ["steps that preempted a request: [(", "tokens found in the prefix cache",
                                  "vllm:num_preemptions"]),
     ("02_speculative_decoding.ipynb", ["request.spec_token_ids: [", "p_target/p_draft",
-                                       "identical greedy tokens with and without speculation: True"]),
+                                       "identical greedy tokens with and without speculation: True",
+                                       "drafts counted (the sampler)", "<- differs",
+                                       "identical greedy tokens with frequency_penalty, with and "
+                                       "without speculation: True"]),
     ("03_disaggregated_prefill_decode.ipynb", ["num_cached_tokens 16 of",
                                                "decode after a KV load == single instance: True",
                                                "same first token: True",

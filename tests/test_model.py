@@ -224,12 +224,13 @@ def test_interrupted_gguf_conversion_leaves_no_cache(tmp_path, monkeypatch):
     gguf = tmp_path / "fake.gguf"
     gguf.write_bytes(b"GGUF")
 
-    def half_written(path, out_dir):
+    def half_written(path, out_dir, check_config):
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump({"model_type": "llama"}, f)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(model_loader, "_convert_gguf", half_written)
+    from minivllm.model_executor import gguf_loader
+    monkeypatch.setattr(gguf_loader, "_convert_gguf", half_written)
     with pytest.raises(KeyboardInterrupt):
         resolve_model_path(str(gguf))
     assert os.listdir(tmp_path / "cache") == []   # neither a target nor a temp dir survives

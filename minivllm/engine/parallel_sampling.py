@@ -10,6 +10,7 @@ parent's id, with one ``CompletionOutput`` per child (``index`` i), finished whe
 from __future__ import annotations
 
 import copy
+from typing import Any, Optional
 
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -51,3 +52,17 @@ class ParentRequest:
                              finished, num_cached_tokens=min(
                                  o.num_cached_tokens for o in self._latest.values()),
                              prompt_logprobs=first.prompt_logprobs)
+
+
+def add_parent_request(engine: Any, request_id: str, prompt: Any, params: SamplingParams,
+                       kv_transfer_params: Optional[dict]) -> Any:
+    """``LLMEngine.add_request`` with ``n > 1``: n child requests; returns the first."""
+    engine.validate_prompt(prompt)
+    engine.verify_sampling_params(params)
+    parent = ParentRequest(request_id, params)
+    children = []
+    for i in range(parent.n):
+        child_id, child_params = parent.get_child_info(i)
+        engine._parents[child_id] = parent
+        children.append(engine.add_request(child_id, prompt, child_params, kv_transfer_params))
+    return children[0]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 from tqdm.auto import tqdm
@@ -17,9 +17,11 @@ from minivllm.config import (ATTENTION_BACKENDS, LEARNED_DRAFTER_METHODS, CacheC
                              KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
                              VllmConfig)
 from minivllm.engine.llm_engine import LLMEngine, PromptType
-from minivllm.metrics import Counter, Gauge, Metric, Vector
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from minivllm.metrics import Metric
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -172,33 +174,10 @@ class LLM:
         return [finished[i] for i in ids]
 
     def get_metrics(self) -> list[Metric]:
-        core = self.llm_engine.engine_core
-        sched = core.scheduler
-        kv = sched.kv_cache_manager
-        stats = kv.prefix_cache_stats
-        metrics: list[Metric] = [
-            Counter("vllm:num_preemptions", sched.num_preemptions_total),
-            Counter("vllm:prefix_cache_queries", stats.queries),
-            Counter("vllm:prefix_cache_hits", stats.hits),
-            Gauge("vllm:kv_cache_usage_perc", kv.usage),
-            Gauge("vllm:num_gpu_blocks", self.vllm_config.cache_config.num_gpu_blocks),
-        ]
-        s = sched.spec_decoding_stats
-        if s is not None:
-            metrics += [
-                Counter("vllm:spec_decode_num_drafts", s.num_drafts),
-                Counter("vllm:spec_decode_num_draft_tokens", s.num_draft_tokens),
-                Counter("vllm:spec_decode_num_accepted_tokens", s.num_accepted_tokens),
-                Vector("vllm:spec_decode_num_accepted_tokens_per_pos",
-                       list(s.num_accepted_tokens_per_pos)),
-                Gauge("minivllm:spec_decode_mean_acceptance_length", s.mean_acceptance_length),
-            ]
-        for connector in (sched.connector, core.worker.kv_connector):
-            if connector is not None and hasattr(connector, "get_stats"):
-                role = "scheduler" if connector is sched.connector else "worker"
-                for name, value in connector.get_stats().items():
-                    metrics.append(Counter(f"minivllm:kv_connector_{role}_{name}", value))
-        return metrics
+        """The engine's counters, gauges and per-position vectors (vLLM's ``get_metrics``, which
+        reads ``vllm.v1.metrics.reader.get_metrics_snapshot()``): see minivllm/metrics.py."""
+        from minivllm.metrics import get_metrics_snapshot
+        return get_metrics_snapshot(self)
 
 
 def _generation_eos_ids(model_path: str) -> list[int]:

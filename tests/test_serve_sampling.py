@@ -1,8 +1,9 @@
 """The server honours the sampling fields, through the real ``openai`` client against a real
 ``python -m minivllm.serve`` process: penalties, logit_bias, min_p, repetition_penalty change the
 answer exactly as ``LLM.generate`` with the same SamplingParams; logprobs in OpenAI's completion and
-chat shapes; a list of prompts gives one choice per prompt; out-of-range values are 400s naming
-the field."""
+chat shapes; a list of prompts gives one choice per prompt; ``echo``, streamed or not, puts the
+prompt (and its logprobs) first; out-of-range values are 400s naming the field. The same fields
+under speculative decoding: test_serve_sampling_spec.py."""
 from __future__ import annotations
 
 import openai
@@ -135,7 +136,7 @@ def test_n_gives_n_choices(client, llm):
 
 
 @pytest.mark.parametrize("kw,field", [
-    (dict(n=2, temperature=0.0), "n"), (dict(echo=True, stream=True), "echo"),
+    (dict(n=2, temperature=0.0), "n"), (dict(prompt=[PROMPT, "Hi"], stream=True), "prompt"),
     (dict(extra_body={"top_logprobs": 2}), "top_logprobs"),
 ])
 def test_unsupported_combinations_are_400(client, kw, field):
@@ -144,8 +145,50 @@ def test_unsupported_combinations_are_400(client, kw, field):
             client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=3, **kw)
         else:
-            client.completions.create(model="smol", prompt=PROMPT, max_tokens=3, **kw)
+            client.completions.create(model="smol", **{"prompt": PROMPT, **kw}, max_tokens=3)
     assert field in str(e.value)
+
+
+def _streamed_choices(stream) -> dict:
+    """{index: (text, tokens, token_logprobs, text_offset, first chunk's text)} from a completion
+    stream, each the concatenation of that choice's chunks."""
+    got: dict = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            text, toks, lps, offs, first = got.get(c.index, ("", [], [], [], None))
+            if c.logprobs is not None:
+                toks, lps = toks + c.logprobs.tokens, lps + c.logprobs.token_logprobs
+                offs = offs + c.logprobs.text_offset
+            got[c.index] = (text + c.text, toks, lps, offs, c.text if first is None else first)
+    return got
+
+
+@pytest.mark.parametrize("kw", [
+    dict(prompt=PROMPT, temperature=0, logprobs=2),
+    dict(prompt=PROMPT, temperature=1.0, seed=5, n=2),
+    dict(prompt=None, temperature=0),         # PROMPT's token ids: echoed as their text
+], ids=["logprobs", "n=2", "token-ids"])
+def test_streamed_echo_adds_up_to_the_echoed_response(client, llm, kw):
+    """echo with stream=true, as vLLM: each choice's first chunk starts with the prompt and, with
+    logprobs, the prompt's logprobs (the first prompt token's is null), so the deltas add up to
+    the non-streamed echo response: text, tokens, logprobs and text offsets."""
+    if kw["prompt"] is None:
+        kw = {**kw, "prompt": llm.get_tokenizer().encode(PROMPT, add_special_tokens=False)}
+    full = client.completions.create(model="smol", max_tokens=5, echo=True, **kw)
+    prompt = kw["prompt"] if isinstance(kw["prompt"], str) else llm.get_tokenizer().decode(kw["prompt"])
+    got = _streamed_choices(client.completions.create(model="smol", max_tokens=5, echo=True,
+                                                      stream=True, **kw))
+    assert sorted(got) == [c.index for c in full.choices] == list(range(kw.get("n", 1)))
+    for c in full.choices:
+        text, toks, lps, offs, first = got[c.index]
+        assert c.text.startswith(prompt) and len(c.text) > len(prompt)
+        assert first.startswith(prompt)
+        assert text == c.text
+        if "logprobs" in kw:
+            assert lps[0] is None and c.logprobs.token_logprobs[0] is None
+            assert toks == c.logprobs.tokens and offs == c.logprobs.text_offset
+            assert lps[1:] == pytest.approx(c.logprobs.token_logprobs[1:], abs=1e-6)
+            assert len(toks) == full.usage.prompt_tokens + 5
 
 
 def test_streamed_logprobs_add_up_to_the_response(client):

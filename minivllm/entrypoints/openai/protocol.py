@@ -14,9 +14,10 @@ vllm/entrypoints/openai/{completion,chat_completion}/protocol.py (``CompletionRe
   ``/openapi.json`` states them and a fuzzer can read them.
 - ``logprobs`` (completions: top k per token; chat: ``logprobs`` + ``top_logprobs``) come back in
   OpenAI's shapes (serving.py), streamed too; ``n > 1`` gives n choices (streamed: by ``index``).
-- A completion ``prompt`` may be a list of strings (or of token-id lists): one choice per prompt.
-  ``echo`` puts the prompt before the completion's text (and, with ``logprobs``, the prompt's
-  logprobs before its tokens', the first ``null``), as vLLM does; not streamed for now.
+- A completion ``prompt`` may be a list of strings (or of token-id lists): one choice per prompt
+  (not streamed: a list of more than one is a 400 with ``stream``). ``echo`` puts the prompt (token
+  ids decoded) before the completion's text (and, with ``logprobs``, the prompt's logprobs before
+  its tokens', the first ``null``), as vLLM does; streamed, in each choice's first chunk.
 - vLLM's ``prompt_logprobs`` come back on each choice as ``prompt_logprobs``: per prompt token
   ``null`` (the first) or ``{token_id: {"logprob", "rank", "decoded_token"}}``.
 - A chat message has a non-empty ``role`` (which roles are allowed is the chat template's business:
@@ -155,11 +156,6 @@ class CompletionRequest(_SamplingFields):
                 raise ValueError("prompt: a list of prompts cannot be streamed by this server.")
             return [{"prompt_token_ids": x} for x in p]
         raise ValueError("prompt: a string, a list of token ids, or a non-empty list of either.")
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.echo and self.stream:
-            raise ValueError("echo: not supported with stream=true by this server.")
 
 
 class ChatCompletionRequest(_SamplingFields):

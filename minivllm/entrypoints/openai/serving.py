@@ -4,7 +4,8 @@ cumulative ``RequestOutput`` objects into OpenAI's response or its server-sent-e
 
 Streaming holds back text that could still turn out to be the start of a stop string (it would be
 cut from the final text) and a trailing incomplete UTF-8 character (decoded as U+FFFD), so that the
-concatenated deltas always equal the non-streamed text.
+concatenated deltas always equal the non-streamed text. With ``echo``, each choice's first chunk
+starts with the prompt (and its logprobs), as vLLM's ``completion_stream_generator`` sends it.
 """
 from __future__ import annotations
 
@@ -148,7 +149,8 @@ class OpenAIServing:
                 return _engine_error(e)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                self._stream(request_id, first, gen, params.stop, chat, include_usage),
+                self._stream(request_id, first, gen, params.stop, chat, include_usage,
+                             echo=getattr(body, "echo", False)),
                 media_type="text/event-stream", headers=headers)
         try:
             final = await _collect_unless_disconnected(gen, raw)
@@ -197,7 +199,7 @@ class OpenAIServing:
             if chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
-                choice["text"] = (out.prompt or "") + c.text if echo else c.text
+                choice["text"] = self._prompt_text(out) + c.text if echo else c.text
             if c.logprobs is not None:
                 choice["logprobs"] = (chat_logprobs(c, self._top_k(c)) if chat
                                       else completion_logprobs(
@@ -213,6 +215,14 @@ class OpenAIServing:
                                     out.num_cached_tokens),
                 "kv_transfer_params": getattr(out, "kv_transfer_params", None)}
 
+    def _prompt_text(self, out: RequestOutput) -> str:
+        """The prompt as ``echo`` returns it: a prompt given as token ids is decoded, as vLLM's
+        ``_normalize_prompt_tokens_to_input`` does, so echo never drops it."""
+        if out.prompt is not None:
+            return out.prompt
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode(out.prompt_token_ids) if tokenizer else ""
+
     def _decode_one(self, token_id: int) -> str:
         tokenizer = self.engine.tokenizer
         return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else ""
@@ -222,15 +232,27 @@ class OpenAIServing:
         first = c.logprobs[0] if c.logprobs else {}
         return sum(1 for lp in first.values() if lp.rank is not None and lp.rank <= len(first))
 
-    def _stream_logprobs(self, c: Any, chat: bool, start: int) -> Optional[dict]:
-        """The logprobs of tokens ``start:`` of completion ``c``, in the response's shape: each
+    def _stream_logprobs(self, c: Any, chat: bool, start: int,
+                         echo_of: Optional[RequestOutput] = None) -> Optional[dict]:
+        """The logprobs of positions ``start:`` of completion ``c``, in the response's shape: each
         chunk carries those of the tokens that arrived since the last, so together they are the
-        non-streamed response's."""
-        if c.logprobs is None or start >= len(c.logprobs):
+        non-streamed response's. With ``echo_of`` (the request's output, for ``echo``) the
+        positions are the prompt's then the completion's, as in the non-streamed body, so the
+        text offsets run on from the prompt's."""
+        if c.logprobs is None:
             return None
         if chat:
+            if start >= len(c.logprobs):
+                return None
             return {"content": chat_logprobs(c, self._top_k(c))["content"][start:]}
-        return {k: v[start:] for k, v in completion_logprobs(c).items()}
+        if echo_of is None:
+            full = completion_logprobs(c)
+        else:
+            full = completion_logprobs(c, echo_of.prompt_logprobs, echo_of.prompt_token_ids,
+                                       self._decode_one)
+        if start >= len(full["tokens"]):
+            return None
+        return {k: v[start:] for k, v in full.items()}
 
     def _chunk(self, request_id: str, chat: bool, delta: Optional[str],
                finish_reason: Optional[str] = None, role: bool = False,
@@ -248,11 +270,17 @@ class OpenAIServing:
 
     async def _stream(self, request_id: str, first: RequestOutput,
                       gen: AsyncIterator[RequestOutput], stop: list[str], chat: bool,
-                      include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events; with ``n > 1`` each choice's chunks carry its ``index``."""
+                      include_usage: bool, echo: bool = False) -> AsyncIterator[str]:
+        """Server-sent events; with ``n > 1`` each choice's chunks carry its ``index``.
+
+        ``echo``: the prompt goes in front of each choice's first text (or finish) chunk, as vLLM
+        sends it with the first output: the prompt's logprobs are only complete once the prefill
+        is, which the first sampled token proves. ``lp_sent`` then counts the prompt's positions
+        too."""
         holdback = max((len(s) for s in stop), default=1) - 1
         n = len(first.outputs)
         sent, lp_sent, done = [0] * n, [0] * n, [False] * n
+        echoed = [not echo] * n
         out = first
         try:
             if chat:
@@ -267,11 +295,15 @@ class OpenAIServing:
                     end = len(text) if finished else max(sent[i], len(text) - holdback)
                     while end > sent[i] and not finished and text[end - 1] == "\ufffd":
                         end -= 1
-                    if end > sent[i]:
-                        lps = self._stream_logprobs(c, chat, lp_sent[i])
-                        lp_sent[i] = len(c.token_ids)
-                        yield self._chunk(request_id, chat, text[sent[i]:end], logprobs=lps,
-                                          index=i)
+                    echo_of = out if echo else None
+                    echo_now = not echoed[i] and (end > sent[i] or finished)
+                    prefix = self._prompt_text(out) if echo_now else ""
+                    if end > sent[i] or echo_now:
+                        echoed[i] = True
+                        lps = self._stream_logprobs(c, chat, lp_sent[i], echo_of)
+                        lp_sent[i] = len(c.token_ids) + (len(out.prompt_token_ids) if echo else 0)
+                        yield self._chunk(request_id, chat, prefix + text[sent[i]:end],
+                                          logprobs=lps, index=i)
                         sent[i] = end
                     if not finished:
                         continue
@@ -280,7 +312,8 @@ class OpenAIServing:
                         yield f"data: {json.dumps(error_body('KV load failed', 'InternalServerError', 500))}\n\n"
                     else:
                         yield self._chunk(request_id, chat, None, finish_reason=c.finish_reason,
-                                          logprobs=self._stream_logprobs(c, chat, lp_sent[i]),
+                                          logprobs=self._stream_logprobs(c, chat, lp_sent[i],
+                                                                         echo_of),
                                           index=i)
                 if out.finished:
                     break

@@ -136,6 +136,18 @@ def test_penalty_text_shows_both_rules_and_marks_the_flip():
     fig = penalty_verify_figure(random, "q")       # a masked draft (-inf) is still drawn
     assert len(fig.axes[0].patches) == 2
     plt.close(fig)
+    # An async scheduler's -1 placeholder: rejected, no penalty, never decoded as a token.
+    placeholder = _drafted(-1, False, False, None, None, B, B, B)
+    step = StepRecord(step=2, events=[{"kind": "spec_verify", "req_id": "p", "positions": [placeholder]}])
+    text = render_penalty_verify_text(step, tokenizer=_NoNegativeIds())
+    assert "-1 (placeholder)        -  reject" in text
+    plt.close(penalty_verify_figure(step, tokenizer=_NoNegativeIds()))
+
+
+class _NoNegativeIds:
+    def decode(self, ids):
+        assert min(ids) >= 0, ids
+        return f"<{ids[0]}>"
 
 
 def test_penalty_text_refuses_a_verify_without_penalty_fields():

@@ -35,6 +35,12 @@ def find_penalty_verify(source: StepsLike, min_drafts: int = 2,
     return None
 
 
+def _draft_text(tokenizer: Any, token_id: int) -> str:
+    """The draft as shown; an async scheduler's ``-1`` placeholder (no draft came) is not a token
+    the tokenizer could decode."""
+    return "-1 (placeholder)" if token_id < 0 else repr(token_text(tokenizer, token_id))
+
+
 def _penalty(x: Optional[float]) -> str:
     return "-" if x is None else ("-inf" if x == -math.inf else f"{x:+.2f}")
 
@@ -57,13 +63,13 @@ def render_penalty_verify_text(step: StepRecord, req_id: Optional[str] = None,
     tested = tested_drafts(verifies[req_id])
     if not tested:
         raise ValueError(f"step {step.step} request {req_id!r} has no tested draft with penalties.")
-    w = max(8, *(len(token_text(tokenizer, p["draft_token_id"])) + 2 for p in tested))
+    w = max(8, *(len(_draft_text(tokenizer, p["draft_token_id"])) for p in tested))
     lines = [f"step {step.step}, request {req_id}: {len(tested)} drafts tested",
              f"{'pos':>3}  {'draft':<{w}}  {'drafts counted (the sampler)':<36} | "
              f"drafts ignored (counterfactual)",
              f"{'':>3}  {'':<{w}}  {'penalty  decision':<36} | penalty  decision"]
     for j, p in enumerate(tested):
-        draft = repr(token_text(tokenizer, p["draft_token_id"]))
+        draft = _draft_text(tokenizer, p["draft_token_id"])
         counted = f"{_penalty(p['penalty']):>7}  {_decision(p, False, tokenizer)}"
         ignored = f"{_penalty(p['penalty_drafts_ignored']):>7}  {_decision(p, True, tokenizer)}"
         flag = "   <- differs" if p["accepted"] != p["accepted_if_drafts_ignored"] else ""
@@ -93,8 +99,8 @@ def penalty_verify_figure(step: StepRecord, req_id: Optional[str] = None, tokeni
         for dx, suffix, ok, color in ((-0.2, "", p["accepted"], "#4e79a7"),
                                       (0.2, "_drafts_ignored", p["accepted_if_drafts_ignored"],
                                        "#bab0ac")):
-            pen = p["penalty" + suffix]
-            v = floor if pen == -math.inf else pen
+            pen = p["penalty" + suffix]     # None: a -1 placeholder, nothing to penalise
+            v = floor if pen == -math.inf else (pen or 0.0)
             ax.bar(j + dx, v, width=0.38, color=color, edgecolor="black", linewidth=0.5,
                    label=None if j else ("earlier drafts counted (the sampler)" if not suffix
                                          else "drafts ignored"))
@@ -103,7 +109,7 @@ def penalty_verify_figure(step: StepRecord, req_id: Optional[str] = None, tokeni
                     ha="center", va="top", fontsize=8, color="#59a14f" if ok else "#e15759")
     ax.axhline(0, color="black", linewidth=0.6)
     ax.set_xticks(range(len(tested)),
-                  [f"{j}: {token_text(tokenizer, p['draft_token_id'])!r}" for j, p in enumerate(tested)],
+                  [f"{j}: {_draft_text(tokenizer, p['draft_token_id'])}" for j, p in enumerate(tested)],
                   fontsize=8)
     ax.set_ylim(floor * 1.45, -0.3 * floor)
     ax.set_ylabel("penalty on the draft's logit", fontsize=8)

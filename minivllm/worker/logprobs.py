@@ -20,6 +20,14 @@ from minivllm.sample.ops.logprobs import gather_logprobs, logprobs_source
 Triple = tuple[list[int], list[float], int]
 
 
+def logprobs_outputs(runner: Any, sampled_token_ids: list[list[int]], state: Any) -> dict[str, Any]:
+    """``{"logprobs": ..., "prompt_logprobs_dict": ...}`` of this step for ``ModelRunnerOutput``;
+    the step's logprob rows (``runner._logprobs_rows``) are used once."""
+    kept, runner._logprobs_rows = runner._logprobs_rows, None
+    return {"logprobs": None if kept is None else take_logprobs(runner, *kept, sampled_token_ids),
+            "prompt_logprobs_dict": get_prompt_logprobs_dict(runner, state)}
+
+
 def spec_logprobs_rows(runner: Any, spec_md: Any, logits: torch.Tensor,
                        bonus_rows: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """The rows of a verification step ``[S, vocab]``: the target's at each draft, then the bonus
@@ -53,7 +61,9 @@ def take_logprobs(runner: Any, rows: torch.Tensor, starts: list[int],
 def get_prompt_logprobs_dict(runner: Any, state: Any) -> dict[str, list[Triple]]:
     """vLLM's ``_get_prompt_logprobs_dict``: for requests with ``prompt_logprobs`` whose prompt
     was (partly) computed this step, the logprobs of prompt token p + 1 at each position p."""
-    progress = runner.__dict__.setdefault("_prompt_logprobs_progress", {})
+    if runner._prompt_logprobs_progress is None:
+        runner._prompt_logprobs_progress = {}
+    progress = runner._prompt_logprobs_progress
     for req_id in [r for r in progress if r not in runner.requests]:
         del progress[req_id]
     done: dict[str, list[Triple]] = {}

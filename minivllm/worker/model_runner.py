@@ -96,6 +96,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
     # This step's logprob rows ``[S, vocab]`` and where each request's start, when a request
     # asked for logprobs (the numbers are gathered in worker/logprobs.py).
     _logprobs_rows: Optional[tuple[torch.Tensor, list[int]]] = None
+    _prompt_logprobs_progress: Optional[dict[str, Any]] = None   # the same, per prompt
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, dtype: torch.dtype,
                  kv_connector: Any = None) -> None:
@@ -321,25 +322,18 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         batch = self.input_batch
         return ModelRunnerOutput(list(batch.req_ids), dict(batch.req_id_to_index),
                                  sampled_token_ids, kv_connector_output=state.kv_connector_output,
-                                 logprobs=self._take_logprobs(sampled_token_ids),
-                                 prompt_logprobs_dict=self._get_prompt_logprobs_dict(state))
+                                 **self._logprobs_outputs(sampled_token_ids, state))
 
-    def _take_logprobs(self, sampled_token_ids: list[list[int]]) -> Optional[list]:
-        """vLLM's ``LogprobsLists``, one entry per request row; ``None`` when nobody asked."""
-        kept, self._logprobs_rows = self._logprobs_rows, None
-        if kept is None:
-            return None
-        from minivllm.worker.logprobs import take_logprobs
-        return take_logprobs(self, *kept, sampled_token_ids)
-
-    def _get_prompt_logprobs_dict(self, state: ExecuteModelState) -> dict[str, list]:
-        """vLLM's ``prompt_logprobs_dict`` for the requests that asked for prompt logprobs."""
+    def _logprobs_outputs(self, sampled_token_ids: list[list[int]],
+                          state: ExecuteModelState) -> dict[str, Any]:
+        """``ModelRunnerOutput``'s ``logprobs`` and ``prompt_logprobs_dict`` when a request asked
+        for either (worker/logprobs.py); nothing otherwise."""
         params = self.input_batch.sampling_params
-        if not self.__dict__.get("_prompt_logprobs_progress") and all(
-                params[r].prompt_logprobs is None for r in self.input_batch.req_ids):
+        if (self._logprobs_rows is None and not self._prompt_logprobs_progress
+                and all(params[r].prompt_logprobs is None for r in self.input_batch.req_ids)):
             return {}
-        from minivllm.worker.logprobs import get_prompt_logprobs_dict
-        return get_prompt_logprobs_dict(self, state)
+        from minivllm.worker.logprobs import logprobs_outputs
+        return logprobs_outputs(self, sampled_token_ids, state)
 
     def _prepare_sampling(self, seq_lens: np.ndarray) -> tuple[SamplingMetadata, np.ndarray]:
         """-> the batch's ``SamplingMetadata`` and ``partial`` ``[n]``: rows that are a partial

@@ -7,6 +7,7 @@ from minivllm.model_executor import kernel_choice as kc
 from minivllm.model_executor import route_timing as rt
 from minivllm.model_executor.cpu_linear import process_weights_after_loading
 from minivllm.model_executor.linear import Linear
+from minivllm.model_executor.packed_weight import PackedWeight
 
 
 @pytest.fixture(autouse=True)
@@ -107,28 +108,28 @@ def test_every_route_equals_f_linear(route, dtype):
 
 
 @pytest.mark.skipif(not kc.PREPARE, reason="this PyTorch build has no oneDNN weight packing")
-def test_prepared_copy_follows_the_weight_and_stays_out_of_the_state_dict(monkeypatch):
-    """A route on a prepared (packed) copy must never compute with a stale copy: writing the
-    weight in place, or replacing the parameter, remakes it; the copy is not a parameter or buffer."""
+def test_packed_weight_follows_writes_and_replacement_and_stays_one_parameter(monkeypatch):
+    """A route on a prepared (packed) copy never computes with a stale copy: the copy *is* the
+    weight, so writing it in place repacks it; a replaced plain parameter runs a plain route (no
+    second copy). The state dict holds the weight and bias only, as plain values."""
     route = next(iter(kc.PREPARE))
     monkeypatch.setenv("MINIVLLM_LINEAR_ROUTE", route)
     torch.manual_seed(0)
     layer = Linear(48, 40, bias=True).requires_grad_(False)   # as after load_model
     process_weights_after_loading(layer)
+    assert type(layer.weight) is PackedWeight and layer.weight.route == route
     x = torch.randn(3, 48)
 
     def check():
-        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
-                                   rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(
+            x, layer.weight.detach().clone(), layer.bias), rtol=1e-5, atol=1e-4)
     check()
-    first = layer.quant_method._prepared[3]
-    check()
-    assert layer.quant_method._prepared[3] is first          # made once, reused
     with torch.no_grad():
-        layer.weight.mul_(-2.0)                              # in place: the version moves
+        layer.weight.mul_(-2.0)                              # in place: repacked
     check()
     layer.weight = torch.nn.Parameter(torch.randn(40, 48), requires_grad=False)   # replaced
     check()
+    assert layer.quant_method._route_by_rows[3] == cpu_linear.plain_route(route)
     assert set(layer.state_dict()) == {"weight", "bias"}
     assert [n for n, _ in layer.named_buffers()] == []
 
@@ -136,20 +137,23 @@ def test_prepared_copy_follows_the_weight_and_stays_out_of_the_state_dict(monkey
 @pytest.mark.skipif(not kc.PREPARE, reason="this PyTorch build has no oneDNN weight packing")
 def test_gradients_reach_the_weight_whatever_the_route(monkeypatch):
     """Training through a ``Linear`` (an exercise fine-tuning a layer, say) must get the weight's
-    gradient: with autograd on, the forward takes F.linear, not a packed copy."""
+    gradient, also when the weight is held packed: with autograd on, the forward takes F.linear
+    on the plain matrix; an optimizer step writes the packed weight."""
     monkeypatch.setenv("MINIVLLM_LINEAR_ROUTE", next(iter(kc.PREPARE)))
     torch.manual_seed(0)
     layer, ref = Linear(16, 8), torch.nn.Linear(16, 8)
     process_weights_after_loading(layer)
+    assert type(layer.weight) is PackedWeight and layer.weight.requires_grad
     ref.load_state_dict(layer.state_dict())
     x = torch.randn(40, 16)
     layer(x).square().sum().backward()
     ref(x).square().sum().backward()
     torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
-    assert layer.quant_method._prepared is None       # no copy was made or read
+    for m in (layer, ref):
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    torch.testing.assert_close(layer.weight, ref.weight)
     with torch.no_grad():
-        layer(x)
-    assert layer.quant_method._prepared is not None   # inference takes the route
+        torch.testing.assert_close(layer(x), ref(x), rtol=1e-5, atol=1e-4)
 
 
 def test_many_rows_are_timed_on_a_few_weights_and_only_against_prepared_routes(monkeypatch):
@@ -170,7 +174,7 @@ def test_packing_can_be_switched_off(monkeypatch):
     monkeypatch.setattr(kc, "CHOICES", kc.KernelChoices())
     model = torch.nn.Sequential(Linear(32, 24), Linear(24, 32)).requires_grad_(False)
     process_weights_after_loading(model)
-    assert all(mod.quant_method._prepared is None for mod in model)
+    assert all(type(mod.weight) is not PackedWeight for mod in model)
     for timings in kc.CHOICES.timings_us.values():
         assert not set(timings) & set(kc.PREPARE) and "f_linear" in timings
     x = torch.randn(3, 32)
@@ -179,7 +183,6 @@ def test_packing_can_be_switched_off(monkeypatch):
         for mod in model:
             ref = torch.nn.functional.linear(ref, mod.weight, mod.bias)
         torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-4)
-    assert all(mod.quant_method._prepared is None for mod in model)
     monkeypatch.setenv("MINIVLLM_LINEAR_PACK", "maybe")
     with pytest.raises(ValueError, match="MINIVLLM_LINEAR_PACK"):
         kc.prepare_operands([torch.randn(4, 4)])

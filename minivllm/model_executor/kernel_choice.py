@@ -16,9 +16,8 @@ agree with ``F.linear`` to float32 rounding:
   ``onednn_packed`` works it is not timed (``SUPERSEDES``).
 - ``onednn_packed``: the same primitive on a copy of the weight reordered once into oneDNN's
   blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what vLLM's CPU build and PyTorch's
-  CPU compiler do with their weights). The copy is an opaque oneDNN tensor held by the layer beside
-  its plain ``weight`` (which stays the parameter every reader sees), so a layer that takes this
-  route keeps its weight twice in memory; only the copy is read per step. Measured on the same CPU,
+  CPU compiler do with their weights). The copy (opaque) then *is* the layer's weight, for every
+  row count (``packed_weight``), so the model is in memory once. Measured on the same CPU,
   SmolLM2's 120 projections called in the model's order: 15.4 against F.linear's 23.9 ms at one
   row in bfloat16; at 128 rows in float32, 147 against 204 ms. There the timing below chose
   ``pad2`` for 1 row and ``gemm_wx`` for 2 rows in float32, and this route for most other shapes
@@ -36,9 +35,8 @@ shapes differ by noise, and then the default (and its summation order) is kept. 
 times for at most ``MINIVLLM_TUNING_BUDGET_S`` seconds (default 2), fewest rows first; what is
 left runs ``f_linear`` until a later process times it.
 ``MINIVLLM_LINEAR_ROUTE=<candidate>`` fixes the choice (for tests and for comparisons);
-``MINIVLLM_LINEAR_PACK=0`` keeps the timing but leaves out the prepared-weight candidates, so no
-layer holds a second copy of its weight (float32 SmolLM2 after load: 1,091 MB resident against
-1,676 MB with packing, 984 MB with ``MINIVLLM_LINEAR_ROUTE=f_linear``).
+``MINIVLLM_LINEAR_PACK=0`` keeps the timing but leaves out the prepared-weight candidates: every
+weight stays a plain tensor.
 
 Only the CPU is tuned: on CUDA ``F.linear`` is cuBLAS with its own heuristics. This file holds the
 candidates and the table of choices; ``route_timing`` times them, ``cpu_linear`` chooses for a
@@ -104,8 +102,10 @@ def _onednn_available() -> bool:
 
 CANDIDATES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "f_linear": _f_linear, "gemm_wx": _gemm_wx, "pad2": _pad2}
-# Candidates that run on a prepared copy of the weight: name -> how the copy is made (once).
+# Candidates that run on a prepared copy of the weight: name -> how the copy is made (once);
+# UNPACK: how the plain matrix is read back from it (exactly: a reorder, no arithmetic).
 PREPARE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+UNPACK: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
 # A prepared candidate that worked for a shape is not timed against the plain candidate it
 # supersedes: the packed layout was never slower here (above), and each candidate costs load time.
 SUPERSEDES = {"onednn_packed": "onednn"}
@@ -114,6 +114,7 @@ if _onednn_available():
     if hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         CANDIDATES["onednn_packed"] = _onednn
         PREPARE["onednn_packed"] = _pack_onednn
+        UNPACK["onednn_packed"] = torch.Tensor.to_dense
 
 ShapeKey = tuple[str, str, int, int, int]   # (device type, dtype, out, in, row bucket)
 

@@ -23,6 +23,7 @@ loading raises; assign a plain tensor to the parameter instead), and raw memory 
 """
 from __future__ import annotations
 
+import ctypes
 from collections import OrderedDict
 from typing import Any, Optional
 
@@ -211,4 +212,15 @@ def pack_layers(model: torch.nn.Module, holders: list[list[torch.nn.Module]],
         if copies:
             copies[j] = None
         packed += 1
+    _return_freed_memory()
     return packed
+
+
+def _return_freed_memory() -> None:
+    """Hand the freed plain weights' pages back to the OS. glibc keeps freed heap memory for
+    reuse; measured on float32 SmolLM2 that was ~80 MB of resident memory after load (1,034 MB
+    against 955 MB with ``malloc_trim``, the same as ``F.linear`` alone). A no-op off glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -51,29 +51,26 @@ def code_text(func: Any) -> str:
                      if not line.strip().startswith("#"))
 
 
-_LOADED = """
-import runpy, sys, os
-sys.argv = [{module!r}]
-runpy.run_module({module!r}, run_name="__main__")
-pkg = os.path.dirname(sys.modules["minivllm"].__file__)
-files = sorted(m.__file__ for n, m in list(sys.modules.items())
-               if n.split(".")[0] == "minivllm" and getattr(m, "__file__", None))
-import json
-print("LOADED " + json.dumps({{os.path.relpath(f, pkg): sum(1 for _ in open(f)) for f in files}}))
+_REPORT = """
+import json as _json, os as _os, sys as _sys
+_pkg = _os.path.dirname(_sys.modules["minivllm"].__file__)
+_files = sorted(m.__file__ for n, m in list(_sys.modules.items())
+                if n.split(".")[0] == "minivllm" and getattr(m, "__file__", None))
+print("LOADED " + _json.dumps({_os.path.relpath(f, _pkg): sum(1 for _ in open(f)) for f in _files}))
 """
 
 
-def loaded_lines(module: str, env: "dict[str, str] | None" = None, cwd: str = ROOT,
+def loaded_lines(script: str, env: "dict[str, str] | None" = None, cwd: str = ROOT,
                  timeout: float = 900) -> dict[str, int]:
-    """Run ``python -m module`` in a fresh process; -> {file under minivllm/: its line count} for
-    every minivllm module it imported."""
-    out = subprocess.run([sys.executable, "-c", _LOADED.format(module=module)], cwd=cwd,
+    """Run the Python source ``script`` in a fresh process; -> {file under minivllm/: its line
+    count} for every minivllm module it imported."""
+    out = subprocess.run([sys.executable, "-c", script + _REPORT], cwd=cwd,
                          env={**os.environ, **(env or {})}, capture_output=True, text=True,
                          timeout=timeout)
     for line in out.stdout.splitlines():
         if line.startswith("LOADED "):
             return json.loads(line[len("LOADED "):])
-    raise RuntimeError(f"{module} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    raise RuntimeError(f"the script failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
 
 
 def package_lines(root: str = os.path.join(ROOT, "minivllm")) -> int:

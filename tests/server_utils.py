@@ -95,6 +95,42 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 15.
             proc.wait()
 
 
+SAMPLING_ARGS = ["--max-model-len", "256", "--num-gpu-blocks-override", "64", "--num-threads", "1",
+                 "--seed", "0"]
+
+
+def sampling_fixtures(log_name: str, extra_args: list[str]):
+    """The sampling tests' module fixtures, to unpack at a test module's top level:
+    ``server`` (a ``minivllm serve`` of the tiny chat model named "smol", with ``SAMPLING_ARGS``
+    and ``extra_args``), ``client`` (the ``openai`` client on it) and ``llm`` (the offline ``LLM``
+    it is compared with: the same model, no extra arguments)."""
+    import pytest
+
+    @pytest.fixture(scope="module", name="sampling_pair")
+    def pair(tiny_chat_dir, tmp_path_factory):
+        from minivllm import LLM
+        log = str(tmp_path_factory.mktemp(log_name) / "server.log")
+        url, proc = start_server(["--model", tiny_chat_dir, "--served-model-name", "smol",
+                                  *SAMPLING_ARGS, *extra_args], log)
+        yield url, LLM(model=tiny_chat_dir, max_model_len=256, num_gpu_blocks_override=64, seed=0)
+        stop(proc)
+
+    @pytest.fixture(scope="module", name="server")
+    def server(sampling_pair):
+        return sampling_pair[0]
+
+    @pytest.fixture(scope="module", name="client")
+    def client(server):
+        import openai
+        return openai.OpenAI(base_url=server + "/v1", api_key="EMPTY", max_retries=0, timeout=120)
+
+    @pytest.fixture(scope="module", name="llm")
+    def llm(sampling_pair):
+        return sampling_pair[1]
+
+    return pair, server, client, llm
+
+
 def make_tiny_chat_model(path, smollm2_dir: str) -> str:
     """A tiny random Llama (2 layers, hidden 64) with SmolLM2's tokenizer and chat template, so
     that servers start and step in moments while text, chat templates and stop strings are real."""

@@ -9,30 +9,10 @@ from __future__ import annotations
 import openai
 import pytest
 
-from server_utils import start_server, stop
+from server_utils import sampling_fixtures
 
-ARGS = ["--max-model-len", "256", "--num-gpu-blocks-override", "64", "--num-threads", "1",
-        "--seed", "0"]
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def server(tiny_chat_dir, tmp_path_factory):
-    log = str(tmp_path_factory.mktemp("serve_sampling") / "server.log")
-    url, proc = start_server(["--model", tiny_chat_dir, "--served-model-name", "smol", *ARGS], log)
-    yield url
-    stop(proc)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="EMPTY", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_chat_dir):
-    from minivllm import LLM
-    return LLM(model=tiny_chat_dir, max_model_len=256, num_gpu_blocks_override=64, seed=0)
+_pair, server, client, llm = sampling_fixtures("serve_sampling", [])
 
 
 def _offline(llm, **kw):

@@ -14,38 +14,19 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
-from server_utils import metric, start_server, stop
+from server_utils import metric, sampling_fixtures
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1}
-ARGS = ["--max-model-len", "256", "--num-gpu-blocks-override", "64", "--num-threads", "1",
-        "--seed", "0", "--speculative-config", json.dumps(SPEC)]
 RUN = 100                     # the repeated token ("t" in SmolLM2's vocabulary)
 BIAS = {str(RUN): 8.0}        # strong enough that the run goes on for a few tokens under a penalty
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def server(tiny_chat_dir, tmp_path_factory):
-    log = str(tmp_path_factory.mktemp("serve_sampling_spec") / "server.log")
-    url, proc = start_server(["--model", tiny_chat_dir, "--served-model-name", "smol", *ARGS], log)
-    yield url
-    stop(proc)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="EMPTY", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_chat_dir):
-    """The reference: the same model without speculation."""
-    from minivllm import LLM
-    return LLM(model=tiny_chat_dir, max_model_len=256, num_gpu_blocks_override=64, seed=0)
+_pair, server, client, llm = sampling_fixtures("serve_sampling_spec",
+                                                ["--speculative-config", json.dumps(SPEC)])
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Metric objects returned by ``LLM.get_metrics()``, shaped like vLLM's (vllm/v1/metrics/reader.py):
 counters and gauges carry ``.value``; per-position vectors carry ``.values``. Names are vLLM's
-Prometheus names (``vllm:spec_decode_num_drafts`` ...) so code written against vLLM reads the same. Loaded when someone asks for them.
+Prometheus names (``vllm:spec_decode_num_drafts`` ...) so code written against vLLM reads the same.
+Loaded when someone asks for them.
 """
 from __future__ import annotations
 

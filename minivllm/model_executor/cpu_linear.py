@@ -159,17 +159,20 @@ def _keep_one_copy(model: nn.Module, shapes: Shapes, prepared: dict[int, dict[st
                    forced: Optional[str]) -> int:
     """Replace the weights of each shape whose routes read a packed copy by that copy (adopting
     the copies the timing made, ``prepared``); -> how many were packed."""
-    packed = 0
+    if not packing_allowed():
+        return 0
+    jobs = []   # (holders, weights, route, the timing's copies) per shape that packs
     for i, (holders, weights) in enumerate(shapes):
         routes = [forced] if forced else [kernel_choice.CHOICES.chosen.get(
             shape_key(weights[0], m)) for m in ROW_BUCKETS]
-        route = next((r for r in routes if r in PREPARE and packing_allowed()), None)
+        route = next((r for r in routes if r in PREPARE), None)
         if route is not None:
-            from minivllm.model_executor import packed_weight
-            CPUUnquantizedLinearMethod.packed_type = packed_weight.PackedWeight
-            packed += packed_weight.pack_layers(model, holders, weights, route,
-                                                prepared.get(i, {}).get(route))
-    return packed
+            jobs.append((holders, weights, route, prepared.get(i, {}).get(route)))
+    if not jobs:
+        return 0
+    from minivllm.model_executor import packed_weight
+    CPUUnquantizedLinearMethod.packed_type = packed_weight.PackedWeight
+    return packed_weight.pack_layers(model, jobs)
 
 
 def _time_routes(shapes: Shapes, deadline: float) -> dict[int, dict[str, list[torch.Tensor]]]:

@@ -186,32 +186,34 @@ class PackedWeight(torch.Tensor):
         return out
 
 
-def pack_layers(model: torch.nn.Module, holders: list[list[torch.nn.Module]],
-                weights: list[torch.Tensor], route: str,
-                copies: Optional[list[torch.Tensor]] = None) -> int:
-    """Make ``weights[j]`` (one shape) a ``PackedWeight`` in every layer of ``holders[j]``, from
-    ``copies[j]`` (made by the route timing) when given; -> how many were packed. A weight another
-    module of ``model`` also reads (an embedding table tied to the LM head) stays plain, and so
-    does one the oneDNN build cannot pack. The references here are dropped weight by weight, so
-    the plain tensors are freed during the loop, not after it."""
+def pack_layers(model: torch.nn.Module,
+                jobs: list[tuple[list[list[torch.nn.Module]], list[torch.Tensor], str,
+                                 Optional[list[torch.Tensor]]]]) -> int:
+    """For each job ``(holders, weights, route, copies)`` (one weight shape), make ``weights[j]``
+    a ``PackedWeight`` in every layer of ``holders[j]``, from ``copies[j]`` (made by the route
+    timing) when given; -> how many were packed. A weight another module of ``model`` also reads
+    (an embedding table tied to the LM head) stays plain, and so does one the oneDNN build cannot
+    pack. The references here are dropped weight by weight, so the plain tensors are freed during
+    the loop, not after it; their memory goes back to the OS once, at the end."""
     owners: dict[int, list[int]] = {}   # parameter -> the modules holding it
     for mod in model.modules():
         for p in mod._parameters.values():
             owners.setdefault(id(p), []).append(id(mod))
     packed = 0
-    for j, w in enumerate(weights):
-        if set(owners.get(id(w), ())) - {id(mod) for mod in holders[j]}:
-            continue
-        try:
-            param = PackedWeight.pack(w, route, copies[j] if copies else None)
-        except RuntimeError:
-            continue
-        for mod in holders[j]:
-            mod.weight = param
-        weights[j] = w = param
-        if copies:
-            copies[j] = None
-        packed += 1
+    for holders, weights, route, copies in jobs:
+        for j, w in enumerate(weights):
+            if set(owners.get(id(w), ())) - {id(mod) for mod in holders[j]}:
+                continue
+            try:
+                param = PackedWeight.pack(w, route, copies[j] if copies else None)
+            except RuntimeError:
+                continue
+            for mod in holders[j]:
+                mod.weight = param
+            weights[j] = w = param
+            if copies:
+                copies[j] = None
+            packed += 1
     _return_freed_memory()
     return packed
 

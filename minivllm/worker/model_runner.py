@@ -93,8 +93,8 @@ class ExecuteModelState:
 
 
 class ModelRunner(KVConnectorModelRunnerMixin):
-    # This step's logprob rows ``[S, vocab]`` and where each request's start, when a request
-    # asked for logprobs (the numbers are gathered in worker/logprobs.py).
+    # This step's logprob rows ``[S, vocab]`` and where each request's tokens start, when a
+    # request asked for logprobs (the numbers are gathered in worker/logprobs.py).
     _logprobs_rows: Optional[tuple[torch.Tensor, list[int]]] = None
     _prompt_logprobs_progress: Optional[dict[str, Any]] = None   # the same, per prompt
 

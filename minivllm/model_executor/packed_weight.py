@@ -186,15 +186,12 @@ class PackedWeight(torch.Tensor):
         return out
 
 
-def pack_layers(model: torch.nn.Module,
-                jobs: list[tuple[list[list[torch.nn.Module]], list[torch.Tensor], str,
-                                 Optional[list[torch.Tensor]]]]) -> int:
-    """For each job ``(holders, weights, route, copies)`` (one weight shape), make ``weights[j]``
-    a ``PackedWeight`` in every layer of ``holders[j]``, from ``copies[j]`` (made by the route
-    timing) when given; -> how many were packed. A weight another module of ``model`` also reads
-    (an embedding table tied to the LM head) stays plain, and so does one the oneDNN build cannot
-    pack. The references here are dropped weight by weight, so the plain tensors are freed during
-    the loop, not after it; their memory goes back to the OS once, at the end."""
+def pack_layers(model: torch.nn.Module, jobs: list[tuple[list, list, str, Optional[list]]]) -> int:
+    """Per job ``(holders, weights, route, copies)`` (one shape), make ``weights[j]`` a
+    ``PackedWeight`` in every layer of ``holders[j]``, from the timing's ``copies[j]`` if given;
+    -> how many were packed. A weight another module of ``model`` also reads (an embedding tied to
+    the LM head) stays plain, and so does one oneDNN cannot pack. Plain tensors are freed in the
+    loop, weight by weight; their memory goes back to the OS once, at the end."""
     owners: dict[int, list[int]] = {}   # parameter -> the modules holding it
     for mod in model.modules():
         for p in mod._parameters.values():

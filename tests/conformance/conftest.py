@@ -73,11 +73,9 @@ def _require_vllm_venv():
 
 
 # Scripts whose engines run their EngineCore in the script's own process (vLLM's InprocClient):
-# one starts in ~6 s instead of ~26 s on two cores. Same scheduler, worker and outputs. Not b (with
-# numba's llvmlite imported in-process, vLLM 0.32's CPU worker fails re-binding its Triton kernels:
-# triton_utils/dispatcher.py _rebind_kernels), not f (its call log is per process and role), not
-# g (`vllm serve` as a user runs it).
-IN_PROCESS_ENGINE = {"a_greedy.py", "h_heads.py", "i_sampling.py"}
+# one starts in ~6 s instead of ~26 s on two cores. Same scheduler, worker and outputs. Not f (its
+# call log is per process and role), not g (`vllm serve` as a user runs it).
+IN_PROCESS_ENGINE = {"ai_float32.py", "b_ngram.py", "h_heads.py"}
 
 
 def vllm_env(in_process: bool = False) -> dict:
@@ -209,18 +207,46 @@ def chat_prompts(conformance_model) -> list[list[int]]:
 PLAIN_MAX_TOKENS = 69
 
 
+# Case i's job (test_i_sampling.py): 4 of the chat prompts, 16 tokens, one case per sampling field.
+SAMPLING_MAX_TOKENS = 16
+
+
 @pytest.fixture(scope="session")
-def plain_greedy(vllm_side, conformance_model, chat_prompts) -> dict:
+def sampling_job(conformance_model, chat_prompts) -> dict:
+    """``{"prompts", "max_tokens", "cases": [{"name", "params"}]}``: case i's runs, the same in both
+    engines (``logit_bias`` keys are strings, as JSON carries them)."""
+    from minivllm.model_executor.model_loader import load_tokenizer
+    the = load_tokenizer(conformance_model).encode(" the", add_special_tokens=False)[0]
+    cases = [{"name": "plain", "params": {}},
+             {"name": "presence", "params": {"presence_penalty": 1.5}},
+             {"name": "frequency", "params": {"frequency_penalty": 1.0}},
+             {"name": "repetition", "params": {"repetition_penalty": 1.3}},
+             {"name": "logit_bias", "params": {"logit_bias": {str(the): 4.0}}},
+             {"name": "bad_words", "params": {"bad_words": ["the", "The", " a"]}}]
+    return {"prompts": chat_prompts[:2] + chat_prompts[4:6], "max_tokens": SAMPLING_MAX_TOKENS,
+            "cases": cases}
+
+
+@pytest.fixture(scope="session")
+def vllm_float32(vllm_side, conformance_model, chat_prompts, sampling_job) -> dict:
+    """vLLM's side of cases a and i, from one plain float32 engine (``vllm_side/ai_float32.py``):
+    ``{"greedy": {"outputs", "top2"}, "sampling": {case name: ...}}``."""
+    return vllm_side("ai_float32.py", {
+        "model": conformance_model, "sampling": sampling_job,
+        "greedy": {"prompts": chat_prompts, "max_tokens": PLAIN_MAX_TOKENS}})
+
+
+@pytest.fixture(scope="session")
+def plain_greedy(vllm_float32, conformance_model, chat_prompts) -> dict:
     """``{"minivllm": [[ids]], "vllm": [[ids]], "vllm_top2": ..., "max_tokens"}``: plain greedy float32 outputs
     of ``chat_prompts`` (``PLAIN_MAX_TOKENS``, ``ignore_eos``, one batch) in each engine; vLLM's
-    from ``vllm_side/a_greedy.py`` (one engine), with its top-2 logprobs per position."""
+    from ``vllm_side/a_greedy.py`` (``vllm_float32``), with its top-2 logprobs per position."""
     from minivllm import LLM, SamplingParams
     llm = LLM(model=conformance_model, dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=PLAIN_MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], params, use_tqdm=False)
     del llm
-    theirs = vllm_side("a_greedy.py", {"model": conformance_model, "prompts": chat_prompts,
-                                       "max_tokens": PLAIN_MAX_TOKENS, "dtype": "float32"})
+    theirs = vllm_float32["greedy"]
     return {"minivllm": [list(o.outputs[0].token_ids) for o in outs],
             "vllm": theirs["outputs"], "vllm_top2": theirs["top2"],
             "max_tokens": PLAIN_MAX_TOKENS}

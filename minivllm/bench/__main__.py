@@ -4,7 +4,7 @@ them into RESULTS.md.
 
 A benchmark measures steady state: every engine it starts (in this process or a cell's
 subprocess) times all its linear routes at load, however long that takes, unless
-``MINIVLLM_TUNING_BUDGET_S`` is set (an interactive ``LLM()`` stops after 2 s and leaves the rest
+``MINIVLLM_TUNING_BUDGET_S`` is set (an interactive ``LLM()`` stops after 1.5 s and leaves the rest
 on ``F.linear`` until a later process times it)."""
 import importlib
 import os

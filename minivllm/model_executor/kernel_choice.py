@@ -32,7 +32,7 @@ two, up to ``MAX_TUNED_ROWS``; every larger count, a prefill, shares one bucket 
 ``MANY_ROWS`` rows), kept for the process and on disk for the next one (``route_cache.py``). A
 candidate replaces ``f_linear`` only if it is at least ``MIN_GAIN`` faster: on a busy machine most
 shapes differ by noise, and then the default (and its summation order) is kept. One model's load
-times for at most ``MINIVLLM_TUNING_BUDGET_S`` seconds (default 2), fewest rows first; what is
+times for at most ``MINIVLLM_TUNING_BUDGET_S`` seconds (default 1.5), fewest rows first; what is
 left runs ``f_linear`` until a later process times it.
 ``MINIVLLM_LINEAR_ROUTE=<candidate>`` fixes the choice (for tests and for comparisons);
 ``MINIVLLM_LINEAR_PACK=0`` keeps the timing but leaves out the prepared-weight candidates: every
@@ -155,8 +155,8 @@ def forced_route() -> Optional[str]:
 
 def tuning_budget() -> float:
     """Seconds of wall time one model's load may spend timing routes (``MINIVLLM_TUNING_BUDGET_S``,
-    default 2): on a busy machine the timing would otherwise take tens of seconds."""
-    value = os.environ.get("MINIVLLM_TUNING_BUDGET_S", "2")
+    default 1.5): on a busy machine the timing would otherwise take tens of seconds."""
+    value = os.environ.get("MINIVLLM_TUNING_BUDGET_S", "1.5")
     try:
         budget = float(value)
     except ValueError:

@@ -37,10 +37,6 @@ class Attention(nn.Module):
         self.backend = get_attn_backend(backend)
         self.kv_cache = torch.empty(0)
 
-    def set_backend(self, backend: str) -> None:
-        self.backend_name = backend
-        self.backend = get_attn_backend(backend)
-
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         md = ctx.attn_metadata

@@ -45,10 +45,6 @@ class PrefixCacheStats:
         self.queries += num_tokens
         self.hits += num_hits
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
 
 class KVCacheManager:
     def __init__(self, num_gpu_blocks: int, block_size: int, max_model_len: int,

@@ -172,14 +172,27 @@ _CACHE: dict = {}
 @pytest.fixture(scope="session")
 def vllm_side():
     """``vllm_side(script, payload, timeout=DEFAULT_TIMEOUT, engine=True) -> dict``, cached for the
-    session by (script, payload): the cases of one configuration share one run, hence one engine start."""
-    def call(script: str, payload: dict, timeout: float = DEFAULT_TIMEOUT,
-             engine: bool = True) -> dict:
+    session by (script, payload): the cases of one configuration share one run, hence one engine
+    start. ``vllm_side.start(...)``, with the same arguments, begins that run in a background
+    thread and returns at once, so that a fixture computes minivllm's side meanwhile (the vLLM
+    side runs on one thread; two cores hold both); the later call waits for it."""
+    from concurrent.futures import ThreadPoolExecutor
+    pool = ThreadPoolExecutor(max_workers=1)
+
+    def start(script: str, payload: dict, timeout: float = DEFAULT_TIMEOUT,
+              engine: bool = True):
         key = (script, json.dumps(payload, sort_keys=True))
         if key not in _CACHE:
-            _CACHE[key] = run_vllm_script(script, payload, timeout=timeout, engine=engine)
+            _CACHE[key] = pool.submit(run_vllm_script, script, payload, timeout, engine)
         return _CACHE[key]
-    return call
+
+    def call(script: str, payload: dict, timeout: float = DEFAULT_TIMEOUT,
+             engine: bool = True) -> dict:
+        return start(script, payload, timeout, engine).result()
+
+    call.start = start
+    yield call
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.fixture(scope="session")
@@ -229,25 +242,31 @@ def sampling_job(conformance_model, chat_prompts) -> dict:
 
 
 @pytest.fixture(scope="session")
-def vllm_float32(vllm_side, conformance_model, chat_prompts, sampling_job) -> dict:
-    """vLLM's side of cases a and i, from one plain float32 engine (``vllm_side/ai_float32.py``):
-    ``{"greedy": {"outputs", "top2"}, "sampling": {case name: ...}}``."""
-    return vllm_side("ai_float32.py", {
-        "model": conformance_model, "sampling": sampling_job,
-        "greedy": {"prompts": chat_prompts, "max_tokens": PLAIN_MAX_TOKENS}})
+def vllm_float32_job(conformance_model, chat_prompts, sampling_job) -> tuple[str, dict]:
+    """``(script, payload)`` of vLLM's side of cases a and i: one plain float32 engine
+    (``vllm_side/ai_float32.py``)."""
+    return "ai_float32.py", {"model": conformance_model, "sampling": sampling_job,
+                             "greedy": {"prompts": chat_prompts, "max_tokens": PLAIN_MAX_TOKENS}}
 
 
 @pytest.fixture(scope="session")
-def plain_greedy(vllm_float32, conformance_model, chat_prompts) -> dict:
+def vllm_float32(vllm_side, vllm_float32_job) -> dict:
+    """``{"greedy": {"outputs", "top2"}, "sampling": {case name: ...}}`` from that engine."""
+    return vllm_side(*vllm_float32_job)
+
+
+@pytest.fixture(scope="session")
+def plain_greedy(vllm_side, vllm_float32_job, conformance_model, chat_prompts) -> dict:
     """``{"minivllm": [[ids]], "vllm": [[ids]], "vllm_top2": ..., "max_tokens"}``: plain greedy float32 outputs
     of ``chat_prompts`` (``PLAIN_MAX_TOKENS``, ``ignore_eos``, one batch) in each engine; vLLM's
     from ``vllm_side/a_greedy.py`` (``vllm_float32``), with its top-2 logprobs per position."""
     from minivllm import LLM, SamplingParams
+    vllm_side.start(*vllm_float32_job)   # runs while minivllm generates
     llm = LLM(model=conformance_model, dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=PLAIN_MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], params, use_tqdm=False)
     del llm
-    theirs = vllm_float32["greedy"]
+    theirs = vllm_side(*vllm_float32_job)["greedy"]
     return {"minivllm": [list(o.outputs[0].token_ids) for o in outs],
             "vllm": theirs["outputs"], "vllm_top2": theirs["top2"],
             "max_tokens": PLAIN_MAX_TOKENS}

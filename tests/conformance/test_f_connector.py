@@ -130,10 +130,11 @@ def steps(calls: list[dict], role: str) -> list[list[tuple]]:
 def both(vllm_side, conformance_model, tmp_path_factory):
     prompt = prompt_ids(conformance_model)
     tmp = tmp_path_factory.mktemp("f_connector")
+    job = ("f_pd.py", {"model": conformance_model, "prompt_token_ids": prompt,
+                       "max_tokens": MAX_TOKENS, "storage": str(tmp / "vllm_storage")})
+    vllm_side.start(*job)   # runs while minivllm does the same
     mini = run_minivllm(conformance_model, prompt, str(tmp / "mini_storage"), tmp)
-    vllm = vllm_side("f_pd.py", {"model": conformance_model, "prompt_token_ids": prompt,
-                                 "max_tokens": MAX_TOKENS, "storage": str(tmp / "vllm_storage")})
-    return mini, vllm
+    return mini, vllm_side(*job)
 
 
 def _methods(group):

@@ -1,11 +1,11 @@
 """Case i: the sampling fields against the real vLLM 0.32, float32, greedy, on 4 chat prompts.
 
 One vLLM engine (``vllm_side/ai_float32.py``, shared with case a) runs every case; minivllm runs
-them plain and with n-gram speculation (k = 3). Compared: the top-5 logprobs at every output position and every prompt
-position (within ``ATOL``), and the tokens under ``presence_penalty``, ``frequency_penalty``,
-``repetition_penalty``, ``logit_bias`` and ``bad_words``. As in case a, a token split is accepted
-only where vLLM's own top-2 are a near-tie and minivllm took vLLM's runner-up; positions after a
-split are a different continuation and are not compared.
+them plain and with n-gram speculation (k = 3). Compared: the top-5 logprobs at every output
+position and every prompt position (within ``ATOL``), and the tokens under ``presence_penalty``,
+``frequency_penalty``, ``repetition_penalty``, ``logit_bias`` and ``bad_words``. As in case a, a
+token split is accepted only where vLLM's own top-2 are a near-tie and minivllm took vLLM's
+runner-up; positions after a split are a different continuation and are not compared.
 """
 from __future__ import annotations
 

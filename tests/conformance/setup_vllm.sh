@@ -23,8 +23,16 @@ start=$(date +%s)
 # vLLM's own unit tests (data, not code of ours): tests/conformance/vllm_tests/ runs them.
 bash "$ROOT/tests/conformance/fetch_vllm_tests.sh"
 
+# vLLM's model-info cache (warm_vllm_cache.py): a one-time cost of a vLLM install, paid here
+# rather than in the first tests that start an engine. A failure only leaves that cost to them.
+warm_cache() {
+    "$VENV/bin/python" "$ROOT/tests/conformance/warm_vllm_cache.py" \
+        || echo "warning: vLLM's model-info cache was not filled; the first engine starts fill it"
+}
+
 if [ -f "$READY" ] && [ "$(cat "$READY")" = "$STAMP" ] && [ -x "$VENV/bin/vllm" ]; then
     echo "vLLM $VERSION venv already set up at $VENV (0 s)"
+    warm_cache
     exit 0
 fi
 
@@ -79,4 +87,5 @@ SHIM
 chmod +x "$VENV/bin/vllm"
 "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
 echo "$STAMP" > "$READY"
+warm_cache
 echo "vLLM $VERSION venv set up at $VENV in $(( $(date +%s) - start )) s"

@@ -43,9 +43,10 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log_path: str
     raise TimeoutError(f"{url} not healthy after {timeout} s:\n{open(log_path).read()[-3000:]}")
 
 
-def start_server(args: list[str], log_path: str, timeout: float = 180.0):
-    """``python -m minivllm.serve ARGS --port <free>``; returns (url, Popen)."""
-    port = free_port()
+def start_server(args: list[str], log_path: str, timeout: float = 180.0,
+                 port: int | None = None):
+    """``python -m minivllm.serve ARGS --port <port, default: a free one>``; returns (url, Popen)."""
+    port = port or free_port()
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "minivllm.serve", *args, "--port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT, env=child_env())

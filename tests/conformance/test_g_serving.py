@@ -1,8 +1,8 @@
 """Case g: serving, measured by a client nobody here wrote. vLLM's own ``vllm bench serve
 --backend openai --dataset-name random`` (8 prompts, 128 tokens in, 64 out, ``--ignore-eos``,
 greedy) runs against ``minivllm serve`` (default model, float32) and must complete every request
-with every output token; the same client then runs against ``vllm serve`` (same model, float32,
-eager) for a side-by-side row: TTFT, TPOT, output tok/s. The row is printed (``pytest -s``) and
+with every output token; the same client also runs against ``vllm serve`` (same model, float32,
+eager; measured first, each server alone) for a side-by-side row: TTFT, TPOT, output tok/s. The row is printed (``pytest -s``) and
 written as JSON to ``$MINIVLLM_CONFORMANCE_OUT`` (or the test's tmp dir).
 
 The vLLM side (vllm_side/g_bench.py) runs the client both times and owns ``vllm serve``; this file
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from server_utils import start_server, stop  # noqa: E402
+from server_utils import free_port, start_server, stop  # noqa: E402
 
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 8, 128, 64
 NAME = "SmolLM2-135M-Instruct"
@@ -25,14 +25,18 @@ FIELDS = ("completed", "failed", "total_output_tokens", "mean_ttft_ms", "median_
 
 
 def test_vllm_bench_serve_against_both_servers(vllm_side, conformance_model, tmp_path):
+    # The vLLM side starts first (`vllm serve` boots for ~25 s) and measures vLLM, then minivllm:
+    # the minivllm server boots meanwhile, on a port chosen here.
+    port = free_port()
+    job = ("g_bench.py", {"minivllm_url": f"http://127.0.0.1:{port}", "model": conformance_model,
+                          "served_model_name": NAME, "num_prompts": NUM_PROMPTS,
+                          "input_len": INPUT_LEN, "output_len": OUTPUT_LEN, "timeout": 300})
+    vllm_side.start(*job)
     url, proc = start_server(["--served-model-name", NAME, "--dtype", "float32",
                               "--max-model-len", "1024", "--host", "127.0.0.1"],
-                             str(tmp_path / "minivllm_serve.log"), timeout=240)
+                             str(tmp_path / "minivllm_serve.log"), timeout=240, port=port)
     try:
-        res = vllm_side("g_bench.py", {"minivllm_url": url, "model": conformance_model,
-                                       "served_model_name": NAME, "num_prompts": NUM_PROMPTS,
-                                       "input_len": INPUT_LEN, "output_len": OUTPUT_LEN,
-                                       "timeout": 300})
+        res = vllm_side(*job)
     finally:
         stop(proc)
     row = {engine: {k: res[engine].get(k) for k in FIELDS} for engine in ("minivllm", "vllm")}

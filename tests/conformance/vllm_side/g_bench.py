@@ -1,10 +1,16 @@
-"""Case g, vLLM side: vLLM's own benchmark client against minivllm's server and against vLLM's.
+"""Case g, vLLM side: vLLM's own benchmark client against ``vllm serve`` and against minivllm's server.
 
 IN: {"minivllm_url", "model", "served_model_name", "num_prompts", "input_len", "output_len",
-"timeout"}. Runs ``vllm bench serve --backend openai --dataset-name random`` (vLLM's CLI through
-g_vllm_cli.py) against the minivllm server the test started, then starts ``vllm serve`` on a
-free port (its own process group, stopped by its id), runs the same client against it, and writes
-both result JSONs (the client's ``--save-result`` files) as {"minivllm": ..., "vllm": ...}.
+"timeout"}. Starts ``vllm serve`` on a free port (its own process group, stopped by its id) and,
+while it boots, imports vLLM's benchmark; runs ``vllm bench serve --backend openai
+--dataset-name random`` against it, then against the minivllm server the test started (which may
+still be starting: the client's ready check waits for it). Writes both result JSONs (the client's
+``--save-result`` files) as {"minivllm": ..., "vllm": ...}.
+
+The client is vLLM's: the arguments go through the CLI's own parser (``add_cli_args``) to the
+function the ``vllm bench serve`` subcommand calls (vllm/entrypoints/cli/benchmark/serve.py,
+``main``), in this one process: the CLI as a command would import vLLM once per run (~10 s).
+Only one server is measured at a time; the other sits idle.
 """
 import json
 import os
@@ -16,6 +22,8 @@ import tempfile
 import time
 import urllib.request
 
+import g_vllm_cli  # noqa: F401  (the version shim, before vLLM is imported: the CPU platform reads it)
+
 CLI = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "g_vllm_cli.py")]
 
 
@@ -26,20 +34,32 @@ def free_port() -> int:
 
 
 def bench(url: str, p: dict, out_dir: str, name: str) -> dict:
-    cmd = [*CLI, "bench", "serve", "--backend", "openai", "--base-url", url,
+    """``vllm bench serve`` against ``url``; its saved result JSON."""
+    import contextlib
+    import io
+
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    argv = ["--backend", "openai", "--base-url", url,
            "--endpoint", "/v1/completions", "--model", p["served_model_name"],
            "--tokenizer", p["model"], "--dataset-name", "random",
            "--random-input-len", str(p["input_len"]), "--random-output-len", str(p["output_len"]),
            "--num-prompts", str(p["num_prompts"]), "--ignore-eos", "--temperature", "0",
            "--seed", "0", "--disable-tqdm", "--save-result", "--result-dir", out_dir,
-           "--result-filename", f"{name}.json", "--ready-check-timeout-sec", "60"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=p["timeout"])
-    if run.returncode != 0:
-        raise SystemExit(f"vllm bench serve against {name} failed ({run.returncode}):\n"
-                         f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+           "--result-filename", f"{name}.json", "--ready-check-timeout-sec", "240"]
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    stdout = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stdout):
+            bench_main(parser.parse_args(argv))
+    except BaseException as e:
+        raise SystemExit(f"vllm bench serve against {name} failed ({e!r}):\n"
+                         f"{stdout.getvalue()[-3000:]}") from e
     with open(os.path.join(out_dir, f"{name}.json")) as f:
         result = json.load(f)
-    result["client_stdout_tail"] = run.stdout[-1500:]
+    result["client_stdout_tail"] = stdout.getvalue()[-1500:]
     return result
 
 
@@ -62,7 +82,6 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         p = json.load(f)
     out_dir = tempfile.mkdtemp(prefix="g_bench_")
-    result = {"minivllm": bench(p["minivllm_url"], p, out_dir, "minivllm")}
     port = free_port()
     log = os.path.join(out_dir, "vllm_serve.log")
     with open(log, "w") as logf:
@@ -71,9 +90,11 @@ def main() -> None:
              str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
              "--served-model-name", p["served_model_name"], "--seed", "0"],
             stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    result = {}
     try:
-        url = f"http://127.0.0.1:{port}"
         t0 = time.monotonic()
+        import vllm.benchmarks.serve  # noqa: F401  (the client's import, while the server boots)
+        url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc, 240, log)
         result["vllm_serve_start_s"] = round(time.monotonic() - t0, 1)
         result["vllm"] = bench(url, p, out_dir, "vllm")
@@ -87,6 +108,7 @@ def main() -> None:
             except ProcessLookupError:
                 pass
             proc.wait()
+    result["minivllm"] = bench(p["minivllm_url"], p, out_dir, "minivllm")
     with open(sys.argv[2], "w") as f:
         json.dump(result, f)
 

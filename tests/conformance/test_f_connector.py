@@ -27,6 +27,8 @@ from minivllm.config import KVTransferConfig
 from minivllm.distributed.kv_transfer import KVConnectorFactory
 from minivllm.distributed.kv_transfer.shared_storage_connector import SharedStorageConnector
 
+from .conftest import one_thread
+
 _spec = importlib.util.spec_from_file_location(
     "f_calllog", Path(__file__).parent / "vllm_side" / "f_calllog.py")
 calllog = importlib.util.module_from_spec(_spec)
@@ -133,7 +135,8 @@ def both(vllm_side, conformance_model, tmp_path_factory):
     job = ("f_pd.py", {"model": conformance_model, "prompt_token_ids": prompt,
                        "max_tokens": MAX_TOKENS, "storage": str(tmp / "vllm_storage")})
     vllm_side.start(*job)   # runs while minivllm does the same
-    mini = run_minivllm(conformance_model, prompt, str(tmp / "mini_storage"), tmp)
+    with one_thread():
+        mini = run_minivllm(conformance_model, prompt, str(tmp / "mini_storage"), tmp)
     return mini, vllm_side(*job)
 
 

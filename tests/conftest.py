@@ -5,6 +5,7 @@ make_tiny_llama``) for tests that need a checkpoint variant of their own.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -89,15 +90,24 @@ def smollm2_dir() -> str:
     return resolve_model_path(DEFAULT_MODEL)
 
 
+@contextlib.contextmanager
+def one_intra_op_thread():
+    """torch's intra-op threads down to one inside the block, back to their count after it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module of tiny-model tests: with tiny matrices extra threads only
     add synchronisation (and contention with other test processes). A module opts in with
     ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with one_intra_op_thread():
+        yield
 
 
 def tiny_llm(model: str, spec=None, **kw):

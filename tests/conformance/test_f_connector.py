@@ -27,7 +27,7 @@ from minivllm.config import KVTransferConfig
 from minivllm.distributed.kv_transfer import KVConnectorFactory
 from minivllm.distributed.kv_transfer.shared_storage_connector import SharedStorageConnector
 
-from .conftest import one_thread
+from conftest import one_intra_op_thread  # tests/conftest.py
 
 _spec = importlib.util.spec_from_file_location(
     "f_calllog", Path(__file__).parent / "vllm_side" / "f_calllog.py")
@@ -135,7 +135,7 @@ def both(vllm_side, conformance_model, tmp_path_factory):
     job = ("f_pd.py", {"model": conformance_model, "prompt_token_ids": prompt,
                        "max_tokens": MAX_TOKENS, "storage": str(tmp / "vllm_storage")})
     vllm_side.start(*job)   # runs while minivllm does the same
-    with one_thread():
+    with one_intra_op_thread():
         mini = run_minivllm(conformance_model, prompt, str(tmp / "mini_storage"), tmp)
     return mini, vllm_side(*job)
 

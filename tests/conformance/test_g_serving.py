@@ -2,8 +2,9 @@
 --backend openai --dataset-name random`` (8 prompts, 128 tokens in, 64 out, ``--ignore-eos``,
 greedy) runs against ``minivllm serve`` (default model, float32) and must complete every request
 with every output token; the same client also runs against ``vllm serve`` (same model, float32,
-eager; measured first, each server alone) for a side-by-side row: TTFT, TPOT, output tok/s. The row is printed (``pytest -s``) and
-written as JSON to ``$MINIVLLM_CONFORMANCE_OUT`` (or the test's tmp dir).
+eager; measured first, each server alone) for a side-by-side row: TTFT, TPOT, output tok/s. The
+row is printed (``pytest -s``) and written as JSON to ``$MINIVLLM_CONFORMANCE_OUT`` (or the
+test's tmp dir).
 
 The vLLM side (vllm_side/g_bench.py) runs the client both times and owns ``vllm serve``; this file
 owns the minivllm server (tests/server_utils.py, stopped by its PID).

@@ -39,10 +39,10 @@ def main() -> int:
     from vllm.model_executor.models import registry
 
     done, cached = [], []
-    for arch in ARCHITECTURES:
+    for arch, (module, _) in ARCHITECTURES.items():
         model = registry.ModelRegistry.models[arch]
-        path = Path(registry.__file__).parent / f"{model.module_name.split('.')[-1]}.py"
-        module_hash = model._get_modelinfo_module_hash(path)
+        source = Path(registry.__file__).parent / f"{module}.py"
+        module_hash = model._get_modelinfo_module_hash(source)
         if model._load_modelinfo_from_cache(module_hash) is not None:
             cached.append(arch)
             continue

@@ -1,4 +1,4 @@
-"""Case g, vLLM side: vLLM's own benchmark client against ``vllm serve`` and against minivllm's server.
+"""Case g, vLLM side: vLLM's own benchmark client against ``vllm serve`` and minivllm's server.
 
 IN: {"minivllm_url", "model", "served_model_name", "num_prompts", "input_len", "output_len",
 "timeout"}. Starts ``vllm serve`` on a free port (its own process group, stopped by its id) and,
@@ -22,7 +22,8 @@ import tempfile
 import time
 import urllib.request
 
-import g_vllm_cli  # noqa: F401  (the version shim, before vLLM is imported: the CPU platform reads it)
+# The version shim, before vLLM is imported: vllm/platforms reads the version to pick the CPU.
+import g_vllm_cli  # noqa: F401
 
 CLI = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "g_vllm_cli.py")]
 

@@ -174,6 +174,36 @@ def test_cpu_attn_plan_shared_by_layers_gives_each_layer_its_own_result(monkeypa
                                **tol(torch.float32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_seqs", [1, 3, 16])
+def test_cpu_attn_bmm_path_matches_naive(monkeypatch, dtype, group_seqs):
+    """Short queries in 16-bit dtypes run as two batched matmuls over a head-major gather
+    (``_attend_bmm``). Here it is switched on for float32 too, where it must match the naive
+    attention as tightly as SDPA does: decodes, verifies and a long prefill beside them (which
+    stays on SDPA), two layers sharing one plan, never-written (NaN) slots kept out. A cache that
+    is not contiguous cannot be seen as rows of head_dim, so it takes SDPA, with the same result."""
+    monkeypatch.setattr(cpu_attn, "_BMM_DTYPES", (dtype,))
+    monkeypatch.setattr(cpu_attn, "_BMM_GROUP_SEQS", group_seqs)
+    seqs = [(1, 9), (1, 30), (4, 17), (1, 30), (1, 2), (2, 40), (1, 23), (30, 30)]
+    args, keys, values = make_case(seqs, 9, 3, 64, 16, dtype, seed=7)
+    shared = {}
+    for layer in range(2):
+        f = 1.0 + layer
+        query, kv_cache = args[0] * (1 / f), args[1] * f + layer
+        out = cpu_attn.unified_attention(query, kv_cache, *args[2:], shared=shared)
+        expected = naive_attention(query, [k * f + layer for k in keys],
+                                   [v * f + layer for v in values], seqs, args[-1])
+        torch.testing.assert_close(out.double(), expected, **tol(dtype))
+    plan = shared[("plan", 16, 3, dtype)]
+    assert [g.bmm for g in plan] == [True] * -(-7 // group_seqs) + [False]   # 7 short, 1 long
+    assert all(g.kv_rows is not None for g in plan if g.bmm)
+    wide = torch.cat([args[1], torch.zeros_like(args[1])], dim=-1)[..., :64]
+    assert not wide.is_contiguous()
+    out = cpu_attn.unified_attention(args[0], wide, *args[2:], shared={})
+    torch.testing.assert_close(out.double(), naive_attention(args[0], keys, values, seqs, args[-1]),
+                               **tol(dtype))
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu_attn", "triton"])
 def test_strided_query(backend):
     # Models split a fused qkv projection, so the query rows are strided views.

@@ -1,23 +1,18 @@
 """Planned paged attention for the CPU: the default on a CPU ("auto"), beside the plain reference.
 
-vLLM has a CPU attention backend of its own (vllm/v1/attention/backends/cpu_attn.py,
-``CPUAttentionBackend``), which builds its per-step metadata once in ``CPUAttentionMetadataBuilder``
-and hands it to every layer. This module is minivllm's: the same two functions with the same
-signatures as the plain reference ``torch_ref.py`` (the spec; shapes are listed there) and as
-``triton_attn.py``, computing the same attention, only scheduled for speed:
+minivllm's counterpart of vLLM's ``CPUAttentionBackend`` (vllm/v1/attention/backends/cpu_attn.py):
+the same two functions and signatures as the reference ``torch_ref.py`` (the spec, with the shapes)
+and ``triton_attn.py``, the same attention, scheduled for speed:
 
-- the sequences' K/V are gathered from the cache with one ``index_select`` per group into a padded
-  batch (into reused buffers), and attention is one ``scaled_dot_product_attention`` call per group
-  with an explicit causal mask (``_attend``);
-- in bfloat16 and float16, short queries (decodes, verifies) instead gather K/V head-major and run
-  two batched matmuls around a float32 softmax (``_attend_bmm``): SDPA's CPU kernel pays a fixed
-  cost per (sequence, head) that dominates when each has only a few query rows;
+- K/V are gathered with one ``index_select`` per group into a padded batch (reused buffers), and
+  attention is one SDPA call per group with an explicit causal mask (``_attend``); in bfloat16 and
+  float16, short queries run as two batched matmuls instead (``cpu_attn_bmm.py``);
 - a lone sequence takes a shortcut with less bookkeeping (``_attend_single``);
-- decodes and other short queries run in length-sorted groups of ``_GROUP_SEQS``, and a long query
-  next to others that would waste too much padding (a long prefill beside decodes) runs alone;
-- the plan (groups, gather indices, masks) depends only on the step's metadata, so the first layer
+- short queries (decodes, verifies) run in length-sorted groups, and a long query next to others
+  that would waste too much padding (a long prefill beside decodes) runs alone;
+- the plan (groups, gather indices, masks) depends only on the step's metadata: the first layer
   builds it (``build_plan``, the part of vLLM's ``CPUAttentionMetadataBuilder.build`` minivllm
-  needs) and keeps it in ``AttentionMetadata.shared``; the other layers of the step reuse it.
+  needs) and keeps it in ``AttentionMetadata.shared`` for the step's other layers.
 
 tests/test_attention_kernels.py checks it against the reference and the Triton kernels.
 """
@@ -34,16 +29,11 @@ import torch.nn.functional as F
 _MAX_PADDING_WASTE = 2.0
 # Query length up to which a sequence always joins the shared batch (decode, k+1 verify, small chunks).
 _SHORT_QUERY_LEN = 16
-# Short queries run in groups of this many sequences, sorted by context length.
-_GROUP_SEQS = 8
-# Dtypes whose short-query groups take the batched-matmul path (``_attend_bmm``), and its group
-# size: one bmm call over more sequences costs less per sequence than SDPA's per-head tasks.
-# In float32 that path measured no faster than SDPA here, so float32 stays on SDPA.
-_BMM_DTYPES = (torch.bfloat16, torch.float16)
-_BMM_GROUP_SEQS = 16
-# Reused K/V gather buffers, keyed by (name, device, dtype). A fresh multi-megabyte tensor per layer and
-# step costs more in page faults than the gather itself (glibc hands large freed blocks back to the
-# OS). Safe because the buffers never leave ``_attend``; not safe for concurrent calls from threads.
+# Short queries run in groups of this many sequences, sorted by context length; in these dtypes they
+# run in cpu_attn_bmm.py, where a bigger group costs less per sequence.
+_GROUP_SEQS, _BMM_GROUP_SEQS, _BMM_DTYPES = 8, 16, (torch.bfloat16, torch.float16)
+# Reused gather buffers (``_gather``): a fresh multi-megabyte tensor per layer and step costs more in
+# page faults than the gather (glibc returns large freed blocks to the OS). Not safe across threads.
 _BUFFERS: dict[tuple, torch.Tensor] = {}
 
 
@@ -71,7 +61,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
 
 @dataclass
 class CPUAttentionGroup:
-    """What one padded SDPA call over B sequences needs besides the layer's tensors (the same in
+    """What one padded attention call over B sequences needs besides the layer's tensors (same in
     every layer of a step): which query rows, which cache slots, which keys each row may see."""
     tok: torch.Tensor               # [B * max_q] query row of each padded query (clamped)
     slots: torch.Tensor             # [B * max_s] cache slot of each padded key (clamped)
@@ -81,8 +71,7 @@ class CPUAttentionGroup:
     B: int
     max_q: int
     max_s: int
-    bmm: bool = False               # run by _attend_bmm rather than SDPA
-    kv_rows: Optional[tuple] = None  # _attend_bmm's (cache shape, [2 * B * kv_heads * max_s] rows)
+    kv_rows: Optional[tuple] = None  # cpu_attn_bmm's (cache shape, [2 * B * kv_heads * max_s] rows)
 
 
 def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -136,33 +125,29 @@ def build_plan(num_tokens: int, group: int, block_size: int, block_table: torch.
         return (block_table[0, :-(-seq_len // block_size)], q_len, seq_len, mask)
     useful = int((q_lens * seq_lens).sum())
     num_seqs = seq_lens.shape[0]
-
-    def make(i: torch.Tensor, bmm: bool = False) -> CPUAttentionGroup:
-        return _group(num_tokens, group, block_size, block_table[i], seq_lens[i], q_starts[i],
-                      q_lens[i], dtype, bmm)
     if num_seqs * max_query_len * max_seq_len <= _MAX_PADDING_WASTE * useful \
             and max_query_len > _SHORT_QUERY_LEN:
-        return [make(torch.arange(num_seqs, device=seq_lens.device))]
-    short = q_lens <= _SHORT_QUERY_LEN
-    bmm = dtype in _BMM_DTYPES
-    plan = []
-    if bool(short.any()):
-        size = _BMM_GROUP_SEQS if bmm else _GROUP_SEQS
-        plan = [make(i, bmm) for i in _split_by_length(short.nonzero().flatten(), seq_lens, size)]
-    return plan + [make(i.view(1)) for i in (~short).nonzero().flatten()]
+        groups = [torch.arange(num_seqs, device=seq_lens.device)]
+    else:
+        short = q_lens <= _SHORT_QUERY_LEN
+        size = _BMM_GROUP_SEQS if dtype in _BMM_DTYPES else _GROUP_SEQS
+        groups = _split_by_length(short.nonzero().flatten(), seq_lens, size) \
+            if bool(short.any()) else []
+        groups += [i.view(1) for i in (~short).nonzero().flatten()]
+    return [_group(num_tokens, group, block_size, block_table[i], seq_lens[i], q_starts[i],
+                   q_lens[i], dtype) for i in groups]
 
 
 def _split_by_length(idx: torch.Tensor, seq_lens: torch.Tensor, size: int) -> list[torch.Tensor]:
     """Sequences ``idx`` sorted by context length, in groups of ``size``: neighbours in length pad
-    little to each other, and one group's gathered K/V is small enough to still be in the CPU's
-    cache when attention reads it."""
+    little to each other, and a group's gathered K/V can stay in the CPU's cache while it is used."""
     order = torch.argsort(seq_lens[idx], descending=True)
     return list(idx[order].split(size))
 
 
 def _group(num_tokens: int, group: int, block_size: int, block_table: torch.Tensor,
            seq_lens: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
-           dtype: torch.dtype, bmm: bool = False) -> CPUAttentionGroup:
+           dtype: torch.dtype) -> CPUAttentionGroup:
     B, dev = seq_lens.shape[0], seq_lens.device
     max_q, max_s = int(q_lens.max()), int(seq_lens.max())
     # Queries: row j of sequence b is token q_starts[b] + j. Rows past q_lens[b] are padding; they read
@@ -191,7 +176,7 @@ def _group(num_tokens: int, group: int, block_size: int, block_table: torch.Tens
         # one in every layer.
         mask = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill_(~mask, float("-inf"))
     return CPUAttentionGroup(tok.flatten(), slots, mask, None if all_real else q_valid.flatten(),
-                             tok[q_valid], B, max_q, max_s, bmm)
+                             tok[q_valid], B, max_q, max_s)
 
 
 def _attend(query: torch.Tensor, kv_cache: torch.Tensor, g: CPUAttentionGroup, scale: float,
@@ -200,59 +185,23 @@ def _attend(query: torch.Tensor, kv_cache: torch.Tensor, g: CPUAttentionGroup, s
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads        # query heads per kv head (GQA)
-    B, max_q = g.B, g.max_q
+    B, max_q, max_s = g.B, g.max_q, g.max_s
     # GQA without copying K/V: the `group` query heads that share kv head h become extra query rows
     # of h (rows are (head in group, token) pairs), the grouping the Triton kernel's tiles use too.
     q = query.index_select(0, g.tok).view(B, max_q, num_kv_heads, group, head_dim)
     q = q.permute(0, 2, 3, 1, 4).reshape(B, num_kv_heads, group * max_q, head_dim)
-    o = (_attend_bmm if g.bmm and kv_cache.is_contiguous() else _attend_sdpa)(q, kv_cache, g, scale)
+    if query.dtype in _BMM_DTYPES and max_q <= _SHORT_QUERY_LEN and kv_cache.is_contiguous():
+        from minivllm.attention.backends.cpu_attn_bmm import attend_bmm
+        o = attend_bmm(q, kv_cache, g, scale, _gather)
+    else:   # SDPA computes the softmax of bfloat16 inputs in float32.
+        k_cache, v_cache = kv_cache.flatten(1, 2)   # each [num_blocks * bs, kv_heads, head_dim]
+        k = _gather(k_cache, g.slots, "k").view(B, max_s, num_kv_heads, head_dim).to(query.dtype)
+        v = _gather(v_cache, g.slots, "v").view(B, max_s, num_kv_heads, head_dim).to(query.dtype)
+        o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=g.mask, scale=scale)
     o = o.view(B, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     o = o.reshape(B * max_q, num_heads, head_dim)
     out.index_copy_(0, g.out_tok, (o if g.rows is None else o[g.rows]).to(out.dtype))
-
-
-def _attend_sdpa(q: torch.Tensor, kv_cache: torch.Tensor, g: CPUAttentionGroup,
-                 scale: float) -> torch.Tensor:
-    """q [B, kv_heads, group * max_q, head_dim] -> o of the same shape, by one SDPA call over the
-    group's K/V gathered slot by slot ([B, max_s, kv_heads, head_dim], seen head-major).
-    SDPA computes the softmax of bfloat16 inputs in float32."""
-    num_kv_heads, head_dim = kv_cache.shape[3:]
-    k_cache = kv_cache[0].reshape(-1, num_kv_heads, head_dim)  # [num_blocks * bs, kv_heads, head_dim]
-    v_cache = kv_cache[1].reshape(-1, num_kv_heads, head_dim)
-    shape = (g.B, g.max_s, num_kv_heads, head_dim)
-    k = _gather(k_cache, g.slots, "k").view(shape).to(q.dtype)
-    v = _gather(v_cache, g.slots, "v").view(shape).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                          attn_mask=g.mask, scale=scale)
-
-
-def _attend_bmm(q: torch.Tensor, kv_cache: torch.Tensor, g: CPUAttentionGroup,
-                scale: float) -> torch.Tensor:
-    """``_attend_sdpa`` for few query rows per sequence (decodes, verifies) in 16-bit dtypes.
-
-    One ``index_select`` over the cache seen as rows of ``head_dim`` gathers K and V head-major,
-    [2, B * kv_heads, max_s, head_dim], straight into the layout a batched matmul takes, so the
-    whole group is two ``bmm`` calls.
-
-    The scores come out of ``bmm`` rounded to the cache's dtype, as in Hugging Face's eager
-    attention (SDPA and vLLM's CPU kernels keep them in float32); the softmax runs in float32.
-    Against a float32 run, greedy outputs agree as often as with SDPA (bench/RESULTS.md)."""
-    num_kv_heads, head_dim = kv_cache.shape[3:]
-    B, rows, S = g.B, q.shape[2], g.max_s
-    if g.kv_rows is None or g.kv_rows[0] != kv_cache.shape:
-        # The first layer of the step: row (slot, head) of the K half, then the same of V's half.
-        half = kv_cache[0].numel() // head_dim
-        r = g.slots.view(B, 1, S) * num_kv_heads \
-            + torch.arange(num_kv_heads, device=g.slots.device).view(1, -1, 1)
-        g.kv_rows = (kv_cache.shape, torch.cat([r.flatten(), r.flatten() + half]))
-    kv = _gather(kv_cache.view(-1, head_dim), g.kv_rows[1], "kv")
-    kv = kv.view(2, B * num_kv_heads, S, head_dim)
-    s = torch.bmm(q.reshape(B * num_kv_heads, rows, head_dim).to(kv.dtype), kv[0].transpose(1, 2))
-    s = s.float().mul_(scale)
-    if g.mask is not None:
-        s.view(B, num_kv_heads, rows, S).add_(g.mask)
-    p = torch.softmax(s, dim=-1).to(kv.dtype)
-    return torch.bmm(p, kv[1]).view(B, num_kv_heads, rows, head_dim)
 
 
 def _attend_single(query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor,

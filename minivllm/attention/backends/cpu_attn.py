@@ -32,7 +32,7 @@ _SHORT_QUERY_LEN = 16
 # Short queries run in groups of this many sequences, sorted by context length; in these dtypes they
 # run in cpu_attn_bmm.py, where a bigger group costs less per sequence.
 _GROUP_SEQS, _BMM_GROUP_SEQS, _BMM_DTYPES = 8, 16, (torch.bfloat16, torch.float16)
-# Reused gather buffers (``_gather``): a fresh multi-megabyte tensor per layer and step costs more in
+# Reused gather buffers (``_gather``): a fresh large tensor per layer and step costs more in
 # page faults than the gather (glibc returns large freed blocks to the OS). Not safe across threads.
 _BUFFERS: dict[tuple, torch.Tensor] = {}
 

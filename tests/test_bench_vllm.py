@@ -35,3 +35,18 @@ def test_a_relative_vllm_venv_path_is_made_absolute(tmp_path, monkeypatch):
     monkeypatch.setenv("MINIVLLM_VLLM_VENV", "missing")
     with pytest.raises(SystemExit, match="no vLLM venv"):
         vllm_python()
+
+
+def test_rounds_rotate_the_engines_and_keep_each_workloads_fastest_run():
+    from minivllm.bench.vllm import keep_fastest, plan_jobs
+    cells = [("throughput", "float32"), ("throughput", "bfloat16"), ("grounded", "float32")]
+    jobs = plan_jobs(cells, ["hf"], rounds=3)
+    assert len(jobs) == 3 * (3 + 3 + 2)
+    assert plan_jobs(cells, ["hf"]) == jobs[:8]             # one round: the order it always had
+    firsts = [jobs[r * 8] for r in range(3)]                # first cell, each round
+    assert [e for e, _, _ in firsts] == ["minivllm", "vllm", "hf"]
+    assert sorted(jobs[:3]) == sorted(jobs[8:11])           # the same cell's engines, reordered
+    best: dict = {}
+    keep_fastest(best, {"a": {"seconds": 2.0, "run": 1}, "b": {"seconds": 1.0, "run": 1}})
+    keep_fastest(best, {"a": {"seconds": 1.5, "run": 2}, "b": {"seconds": 3.0, "run": 2}})
+    assert best == {"a": {"seconds": 1.5, "run": 2}, "b": {"seconds": 1.0, "run": 1}}

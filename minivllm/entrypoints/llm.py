@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
@@ -24,6 +25,13 @@ if TYPE_CHECKING:
     from minivllm.metrics import Metric
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def _arm_breakpoints(break_at: Optional[Sequence[str]]) -> None:
+    """The article-step breakpoints (minivllm/steps.py), loaded only when someone asks for one."""
+    if break_at is not None or os.environ.get("MINIVLLM_BREAK") or "minivllm.steps" in sys.modules:
+        from minivllm import steps
+        steps.configure(break_at)
 
 
 class LLM:
@@ -64,7 +72,7 @@ class LLM:
         logprobs_mode: str = "raw_logprobs",   # vLLM's; see minivllm/sample/ops/logprobs.py
         max_logprobs: int = 20,
     ) -> None:
-        __import__("minivllm.steps").steps.configure(break_at)   # unknown id: ValueError, before any work
+        _arm_breakpoints(break_at)   # an unknown id: ValueError, before any work
         # 1. Plain argument checks: nothing is loaded yet.
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"

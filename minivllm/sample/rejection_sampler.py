@@ -39,7 +39,6 @@ from minivllm import trace
 from minivllm.sample.accept import GREEDY_TEMPERATURE, _is_greedy, random_accept_mask
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.sampler import apply_min_p, apply_temperature, apply_top_k_top_p, exponential_noise
-from minivllm.steps import BREAKS, at_step
 
 if TYPE_CHECKING:   # spec_decode sits above sampling (its drafters sample); only the annotation
     from minivllm.spec_decode.metadata import SpecDecodeMetadata
@@ -244,7 +243,6 @@ class RejectionSampler(nn.Module):
             metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,
             metadata.cu_num_draft_tokens, draft_probs, target_probs, target_argmax, bonus_token_ids,
             sampling_metadata, self.backend)
-        if BREAKS and at_step("spec.7"): breakpoint()
         if self.record or trace.is_recording():
             # The model runner turns these into "spec_verify" trace events keyed by request id.
             from minivllm.sample.verify_record import build_record

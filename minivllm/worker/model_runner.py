@@ -36,7 +36,6 @@ from minivllm.forward_context import set_forward_context
 from minivllm.model_executor.model_loader import load_model
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.sampler import Sampler
-from minivllm.steps import BREAKS, at_step
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
 from minivllm.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
@@ -124,7 +123,6 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             from minivllm.spec_decode import create_drafter
             self.drafter = create_drafter(vllm_config, device, dtype)
             self.rejection_sampler = RejectionSampler(backend="auto")
-            if BREAKS and at_step("spec.setup"): breakpoint()
         # EAGLE-3 reads residual streams of the target (vLLM's use_aux_hidden_state_outputs); the
         # learned drafters read this step's target states from target_step_outputs.
         self.use_aux_hidden_state_outputs = (self.speculative_config is not None
@@ -144,7 +142,6 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             for name, layer in self.drafter.attn_layers().items():
                 if name in target_names:
                     layer.layer_name = f"drafter.{name}"
-            if BREAKS and at_step("spec.load"): breakpoint()
 
     def kv_cache_bytes_per_block(self) -> int:
         per_token = kv_cache_bytes_per_token(self.model.attn_layers().values(), self.dtype)
@@ -190,7 +187,6 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             batch.token_ids_cpu[row, start:start + len(drafts)] = drafts
             batch.num_tokens[row] = start + len(drafts)
             batch.spec_token_ids[req_id] = list(drafts)
-            if BREAKS and at_step("spec.5", drafts): breakpoint()
 
     def _update_cached_requests(self, so: SchedulerOutput) -> None:
         """Requests scheduled before: their new blocks and computed tokens; a resumed one (back
@@ -271,7 +267,6 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             np.repeat(np.arange(len(num_draft_tokens)), num_draft_tokens),
             np.concatenate([self.input_batch.num_tokens_no_spec[i] + np.arange(d)
                             for i, d in enumerate(num_draft_tokens)]).astype(np.int64)]
-        if BREAKS and at_step("spec.6"): breakpoint()
         t = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(self.device)  # noqa: E731
         return SpecDecodeMetadata(
             draft_token_ids=t(draft_token_ids), num_draft_tokens=num_draft_tokens.tolist(),
@@ -301,7 +296,6 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         self.execute_model_state = ExecuteModelState(
             so, logits, spec_md, input_ids, positions, md, seq_lens, hidden_states,
             aux_hidden_states, logits_indices, kv_connector_output)
-        if BREAKS and at_step("spec.1", so.scheduled_new_reqs): breakpoint()
         return None
 
     @torch.inference_mode()
@@ -422,7 +416,6 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         drafts = self.drafter.propose_for_batch(self, limits, state.scheduler_output)
         self.target_step_outputs = None
         trace.record("spec_propose", drafts={r: list(d) for r, d in drafts.items()})
-        if BREAKS and at_step("spec.2", any(drafts.values())): breakpoint()
         return drafts
 
     def take_draft_token_ids(self) -> Optional[dict[str, list[int]]]:

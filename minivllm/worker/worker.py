@@ -17,7 +17,6 @@ import torch
 
 from minivllm.config import VllmConfig
 from minivllm.core.sched.output import SchedulerOutput
-from minivllm.steps import BREAKS, at_step
 from minivllm.utils import resolve_obj_by_qualname
 from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -86,7 +85,6 @@ class Worker:
         self.dtype = resolve_dtype(self.vllm_config.model_config.dtype, self.device)
         torch.manual_seed(self.vllm_config.model_config.seed)
         self.kv_connector = init_worker_distributed_environment(self.vllm_config)
-        if BREAKS and at_step("pd.init.worker", self.kv_connector is not None): breakpoint()
         self.model_runner = get_model_runner_cls(self.vllm_config)(
             self.vllm_config, self.device, self.dtype, kv_connector=self.kv_connector)
 

@@ -28,7 +28,6 @@ from typing import Any
 from minivllm import trace
 from minivllm.core.sched.utils import ComputedTokens, ScheduledRequests
 from minivllm.request import Request, RequestStatus
-from minivllm.steps import BREAKS, at_step
 
 
 class KVTransferMixin:
@@ -52,7 +51,6 @@ class KVTransferMixin:
         trace.record("remote_kv_wait", req_id=request.request_id,
                      num_local_computed_tokens=num_new_local_computed_tokens,
                      num_external_computed_tokens=num_external_computed_tokens)
-        if BREAKS and at_step("pd.async_wait"): breakpoint()
         return True
 
     def schedule_kv_holding(self, scheduled: ScheduledRequests) -> bool:
@@ -204,5 +202,4 @@ class KVTransferMixin:
         request.num_external_computed_tokens = min(request.num_external_computed_tokens,
                                                    num_computed_tokens)
         trace.record("remote_kv_ready", req_id=req_id, num_computed_tokens=num_computed_tokens)
-        if BREAKS and at_step("pd.async_ready"): breakpoint()
         return True

@@ -31,7 +31,6 @@ from minivllm.core.sched.utils import (ComputedTokens, ScheduledRequests, check_
                                        make_cached_request_data, record_schedule,
                                        schedule_spec_tokens)
 from minivllm.request import Request, RequestStatus
-from minivllm.steps import BREAKS, at_step
 
 
 class Scheduler(KVTransferMixin):
@@ -84,7 +83,6 @@ class Scheduler(KVTransferMixin):
         if vllm_config.kv_transfer_config is not None and vllm_config.kv_transfer_config.kv_connector:
             from minivllm.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
             self.connector = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER)
-            if BREAKS and at_step("pd.init.scheduler"): breakpoint()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -173,7 +171,6 @@ class Scheduler(KVTransferMixin):
                     break
             if new_blocks is None:
                 break
-            if BREAKS and at_step("spec.4", request.spec_token_ids): breakpoint()
             scheduled_running_reqs.append(request)
             req_to_new_blocks[request.request_id] = new_blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
@@ -237,7 +234,6 @@ class Scheduler(KVTransferMixin):
             if num_external_computed_tokens is None:
                 return None
             request.num_external_computed_tokens = num_external_computed_tokens
-            if BREAKS and at_step("pd.lookup"): breakpoint()
         num_computed_tokens = num_new_local_computed_tokens + num_external_computed_tokens
         return ComputedTokens(new_computed_blocks, num_new_local_computed_tokens,
                               num_external_computed_tokens, num_computed_tokens, load_kv_async)
@@ -262,7 +258,6 @@ class Scheduler(KVTransferMixin):
             self.connector.update_state_after_alloc(
                 request, self.kv_cache_manager.get_blocks(request.request_id),
                 num_external_computed_tokens)
-            if BREAKS and at_step("pd.update_state"): breakpoint()
         return new_blocks
 
     def _add_to_running(self, request: Request, scheduled: ScheduledRequests, num_new_tokens: int,
@@ -320,7 +315,6 @@ class Scheduler(KVTransferMixin):
         if self.connector is not None:
             scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(
                 scheduler_output)
-            if BREAKS and at_step("pd.build_meta", scheduler_output.kv_connector_metadata): breakpoint()
         return scheduler_output
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
@@ -396,7 +390,6 @@ class Scheduler(KVTransferMixin):
             request.append_output_token_ids(token_id)
             if check_stop(request, self.max_model_len, self.detokenize):
                 # Tokens after a stop (e.g. accepted drafts past an EOS) are dropped.
-                if BREAKS and at_step("spec.8"): breakpoint()
                 return new_token_ids[:i + 1], True
         return new_token_ids, False
 
@@ -410,7 +403,6 @@ class Scheduler(KVTransferMixin):
                 request.spec_token_ids = []
                 continue
             request.spec_token_ids = list(drafts)
-            if BREAKS and at_step("spec.3", drafts): breakpoint()
 
     def _free_request(self, request: Request) -> None:
         """vLLM's ``_free_request``: the connector sees the blocks of the computed tokens and may

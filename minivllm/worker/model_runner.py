@@ -37,6 +37,7 @@ from minivllm.model_executor.model_loader import load_model
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.sampler import Sampler
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
+from minivllm.utils import cdiv
 from minivllm.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
 if TYPE_CHECKING:   # loaded with spec decode only
@@ -107,7 +108,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         self.kv_connector = kv_connector
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len,
-                                      -(-self.max_model_len // self.block_size), self.block_size)
+                                      cdiv(self.max_model_len, self.block_size), self.block_size)
         self.sampler = Sampler(vllm_config.model_config.logprobs_mode)
         self.model: Any = None
         self.kv_caches: list[torch.Tensor] = []

@@ -17,7 +17,7 @@ import torch
 
 from minivllm.config import VllmConfig
 from minivllm.core.sched.output import SchedulerOutput
-from minivllm.utils import resolve_obj_by_qualname
+from minivllm.utils import cdiv, resolve_obj_by_qualname
 from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -106,7 +106,7 @@ class Worker:
         sched = self.vllm_config.scheduler_config
         max_model_len = self.vllm_config.model_config.max_model_len
         # Never more than every sequence at full length could use (+1 for the null block).
-        needed = sched.max_num_seqs * -(-max_model_len // cache.block_size) + 1
+        needed = sched.max_num_seqs * cdiv(max_model_len, cache.block_size) + 1
         return max(2, min(budget // per_block, needed))
 
     def initialize_cache(self, num_gpu_blocks: int) -> None:

@@ -80,8 +80,9 @@ class SharedStorageConnectorMetadata(KVConnectorMetadata):
 
     def add_request(self, req_id: str, token_ids: list[int], folder: str, block_ids: list[int],
                     block_size: int, is_store: bool, start: int = 0) -> None:
-        self.requests.append(ReqMeta.make_meta(req_id, token_ids, folder, block_ids, block_size,
-                                               is_store, start))
+        self.requests.append(ReqMeta.make_meta(req_id, token_ids=token_ids, folder=folder,
+                                               block_ids=block_ids, block_size=block_size,
+                                               is_store=is_store, start=start))
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"req_id": r.req_id, "is_store": r.is_store, "folder": r.folder,
@@ -162,7 +163,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
             num_computed[req.req_id] = req.num_computed_tokens
             load = self._requests_need_load.pop(req.req_id, None)
             if load is not None:
-                meta.add_request(req.req_id, load[0], load[1], block_ids, bs, False, load[2])
+                token_ids, folder, start = load
+                meta.add_request(req.req_id, token_ids=token_ids, folder=folder, block_ids=block_ids,
+                                 block_size=bs, is_store=False, start=start)
             self._maybe_track_store(req.req_id, req.prompt_token_ids, block_ids)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -172,7 +175,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
             load = self._requests_need_load.pop(req_id, None)
             if load is not None:     # a preempted request re-loads into its new block list
                 assert resumed, f"{req_id}: a load can only start a (re)scheduled request"
-                meta.add_request(req_id, load[0], load[1], new_ids, bs, False, load[2])
+                token_ids, folder, start = load
+                meta.add_request(req_id, token_ids=token_ids, folder=folder, block_ids=new_ids,
+                                 block_size=bs, is_store=False, start=start)
             if req_id in self._pending_stores:
                 ids, name, blocks = self._pending_stores[req_id]
                 self._pending_stores[req_id] = (ids, name, new_ids if resumed else blocks + new_ids)
@@ -186,7 +191,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 del self._pending_stores[req_id]
                 if name not in stored_now:   # two identical prompts in one step: store once
                     stored_now.add(name)
-                    meta.add_request(req_id, ids, name, blocks, bs, True)
+                    meta.add_request(req_id, token_ids=ids, folder=name, block_ids=blocks,
+                                     block_size=bs, is_store=True)
         return meta
 
     def _maybe_track_store(self, req_id: str, prompt: list[int], block_ids: list[int]) -> None:

@@ -1,5 +1,5 @@
-"""Engine configuration, mirroring vllm/config/ (ModelConfig, CacheConfig, SchedulerConfig,
-SpeculativeConfig, KVTransferConfig, VllmConfig).
+"""Engine configuration, mirroring vllm/config/ (DeviceConfig, ModelConfig, CacheConfig,
+SchedulerConfig, SpeculativeConfig, KVTransferConfig, VllmConfig).
 
 Every ``__post_init__`` validates its fields and raises ``ValueError`` naming the field and the allowed
 values, so a bad argument fails before any model weights are read.
@@ -22,6 +22,34 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
+class DeviceConfig:
+    """vLLM's DeviceConfig (vllm/config/device.py), with the attention backend: ``"auto"`` becomes
+    ``"cuda"`` when a GPU is visible, else ``"cpu"``; the backend ``"auto"`` becomes ``"triton"``
+    on a GPU, else ``"cpu_attn"``."""
+    device: str = "auto"
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            import torch
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}.")
+        if self.attention_backend == "auto":
+            self.attention_backend = "triton" if self.device.startswith("cuda") else "cpu_attn"
+        if self.attention_backend == "triton":
+            # A Triton that cannot run here (e.g. TRITON_INTERPRET=0 on a CPU) fails now, with the
+            # fix, rather than inside the first forward pass.
+            from minivllm.triton_utils import triton_backend_problem
+            problem = triton_backend_problem(self.device)
+            if problem is not None:
+                raise ValueError(f"attention_backend='triton' cannot run on {self.device}: {problem}")
+
+
+@dataclass
 class ModelConfig:
     model: str
     dtype: str = "auto"
@@ -40,6 +68,16 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}.")
+
+    def verify_with_hf_config(self, hf_config: Any) -> None:
+        """vLLM's ``_get_and_verify_max_len``: the checkpoint's ``max_position_embeddings`` is
+        the default and the limit of ``max_model_len``."""
+        limit = int(getattr(hf_config, "max_position_embeddings", 2048))
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif self.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={limit}.")
 
 
 @dataclass
@@ -157,6 +195,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; "
                              f"allowed: {sorted(known)}.")
         return cls(**cfg)
+
+    def verify_with_hf_config(self, hf_config: Any) -> None:
+        """A self-draft keeps at least one of the target's layers and drops at least one."""
+        n = hf_config.num_hidden_layers
+        if self.draft_num_layers is not None and not 1 <= self.draft_num_layers <= n - 1:
+            raise ValueError(f"speculative_config.draft_num_layers must be in [1, {n - 1}] "
+                             f"for this {n}-layer model, got {self.draft_num_layers}.")
 
 
 @dataclass

@@ -64,8 +64,7 @@ def _decisions(frame: Any) -> list[str]:
     from minivllm.sample.verify_record import build_record
     f = frame.f_locals
     records = build_record(f["metadata"], f["sampling_metadata"], f["target_logits"], f["draft_probs"],
-                           f["target_probs"], f["target_argmax"], f["uniform_probs"], f["output"],
-                           f["self"])
+                           f["target_probs"], f["target_argmax"], f["uniform_probs"], f["output"])
     lines = []
     for row, positions in enumerate(records):
         parts = []

@@ -6,6 +6,11 @@ import os
 from typing import Any
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for integers (vLLM's ``cdiv``): e.g. the blocks that hold ``a`` tokens."""
+    return -(a // -b)
+
+
 def resolve_obj_by_qualname(qualname: str) -> Any:
     """``"package.module.Name"`` (or ``"package.module.Class.method"``) -> the object (vLLM's
     ``resolve_obj_by_qualname``): the longest importable prefix is the module, the rest are

@@ -10,7 +10,9 @@ from minivllm import trace
 from minivllm.sample import rejection_kernels as K
 from minivllm.sample import rejection_sampler as R
 from minivllm.sample.metadata import SamplingMetadata
-from minivllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, parse_output
+from minivllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
+
+parse_output = RejectionSampler.parse_output
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.metadata import SpecDecodeMetadata
 

@@ -276,3 +276,15 @@ def test_bench_workload_and_summary():
     assert chat.itls == pytest.approx([0.1, 0.2]) and chat.tpot == pytest.approx(0.15)
     assert s["slo_attained"] == 0.5                            # only `chat` meets both SLOs
     assert s["goodput_req_s"] == pytest.approx(1 / (6.0 - 1.0))
+
+
+def test_sigterm_stops_quietly(model_dir, tmp_path):
+    """SIGTERM: the server finishes and exits 0, and logs no traceback (once it logged the
+    lifespan task's CancelledError, which read like a crash)."""
+    log = str(tmp_path / "server.log")
+    _, proc = start_server(["--model", model_dir, "--max-model-len", "128",
+                            "--num-gpu-blocks-override", "32"], log)
+    stop(proc)
+    text = open(log).read()
+    assert proc.returncode == 0, text[-2000:]
+    assert "Traceback" not in text and "CancelledError" not in text, text[-2000:]

@@ -55,3 +55,30 @@ def test_spec_decoding_stats():
     with pytest.raises(ValueError):
         stats.observe_draft(4, 1)
     assert SpecDecodingStats.new(2).num_accepted_tokens_per_pos == [0, 0]
+
+
+def test_calc_spec_decode_metadata_worked_example():
+    """The worked example in ``ModelRunner._calc_spec_decode_metadata``'s docstring is what it
+    returns, and every index tensor is int32, as the table in spec_decode/metadata.py says."""
+    import re
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from minivllm.worker.model_runner import ModelRunner
+    token_ids = np.zeros((3, 16), dtype=np.int32)
+    token_ids[1, 6:9] = [71, 72, 73]     # request 1: 6 real tokens, then its 3 drafts
+    token_ids[2, 8] = 81                 # request 2: 8 real tokens, then its draft
+    runner = SimpleNamespace(device=torch.device("cpu"), input_batch=SimpleNamespace(
+        token_ids_cpu=token_ids, num_tokens_no_spec=np.array([5, 6, 8])))
+    md = ModelRunner._calc_spec_decode_metadata(runner, np.array([0, 3, 1]), np.array([5, 9, 11]))
+    doc = ModelRunner._calc_spec_decode_metadata.__doc__
+    expected = {name: [int(x) for x in re.findall(r"\d+", values)]
+                for name, values in re.findall(r"(\w+):\s+\[([\d, ]+)\]", doc)}
+    assert expected["num_draft_tokens"] == md.num_draft_tokens == [0, 3, 1]
+    for name in ("logits_indices", "target_logits_indices", "bonus_logits_indices",
+                 "cu_num_sampled_tokens", "cu_num_draft_tokens"):
+        assert getattr(md, name).tolist() == expected[name], name
+        assert getattr(md, name).dtype == torch.int32, name
+    assert md.draft_token_ids.tolist() == [71, 72, 73, 81] and md.draft_token_ids.dtype == torch.int32
+    assert md.max_spec_len == 3

@@ -1,6 +1,5 @@
 """Article-step breakpoints (minivllm/steps.py): every id has its one hook line in the function the
 registry names; ids are checked; a real pdb stops once per requested id; outputs do not change."""
-import ast
 import os
 import subprocess
 import sys
@@ -18,31 +17,31 @@ NGRAM = {"method": "ngram", "prompt_lookup_max": 5, "prompt_lookup_min": 3, "num
 PROMPTS = [[5, 6, 7, 8, 9] * 3, [11, 12, 13, 14, 15]]
 
 
-def _hooks_in(path: str) -> dict[str, list[str]]:
-    """step id -> qualified names of the functions whose body calls at_step(id, ...)."""
-    tree = ast.parse(open(path).read())
-    found: dict[str, list[str]] = {}
-
-    def visit(node, prefix):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.ClassDef)):
-                visit(child, prefix + [child.name])
-                continue
-            if (isinstance(child, ast.Call) and getattr(child.func, "id", None) == "at_step"
-                    and isinstance(child.args[0], ast.Constant)):
-                found.setdefault(child.args[0].value, []).append(".".join(prefix))
-            visit(child, prefix)
-    visit(tree, [])
-    return found
-
-
-def test_every_step_is_hooked_once_in_its_documented_function():
+def test_every_step_stops_in_its_documented_function_and_the_files_carry_no_hook():
     for step in steps.STEPS:
-        hooks = _hooks_in(os.path.join(PKG, step.file))
-        assert hooks.get(step.id) == [step.function], (step.id, hooks.get(step.id))
+        found = steps.sites(step.id)
+        assert found[0][0].__qualname__.endswith(step.function.split(".")[-1]), step.id
+        assert not found[0][0].__module__.endswith("__init__"), step.id   # the imported module
+        for func, anchor in found:
+            steps.anchor_of(func, anchor)          # exactly one statement starts with it
+    for dirpath, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py") and f not in ("steps.py", "tour.py"):
+                text = open(os.path.join(dirpath, f)).read()
+                assert "at_step(" not in text and "breakpoint()" not in text, f
     assert len(steps.REGISTRY) == len(steps.STEPS)
     for group in ("spec", "pd"):
         assert steps.GROUPS[group] and all(i.startswith(group + ".") for i in steps.GROUPS[group])
+
+
+def test_armed_functions_get_their_code_back(tiny_llama_dir, monkeypatch):
+    from minivllm.core.sched.scheduler import Scheduler
+    original = Scheduler.schedule_running.__code__
+    steps.configure(["spec.4"])
+    assert Scheduler.schedule_running.__code__ is not original
+    assert Scheduler.schedule_running.__code__.co_firstlineno == original.co_firstlineno
+    steps.disarm()
+    assert Scheduler.schedule_running.__code__ is original
 
 
 def test_ids_are_checked_and_off_means_an_empty_dict(tiny_llama_dir, monkeypatch):
@@ -100,3 +99,35 @@ def test_pdb_fed_c_stops_once_per_requested_id(tiny_llama_dir):
     # pdb stops in the engine's own frame, at the hook line's successor in that function.
     assert "scheduler.py" in proc.stdout and "rejection_sampler.py" in proc.stdout
     assert "OUT [[" in proc.stdout
+
+
+def test_a_requested_step_that_never_stops_is_named_at_exit_with_why(tiny_llama_dir):
+    env = {**os.environ, "MINIVLLM_BREAK": "spec.4,pd.lookup", "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONBREAKPOINT", None)
+    plain = SCRIPT.format(tests=os.path.dirname(__file__), model=tiny_llama_dir, spec=NGRAM,
+                          prompts=[[11, 12, 13, 14, 15]]).replace("max_tokens=8", "max_tokens=2")
+    proc = subprocess.run([sys.executable, "-c", plain], input="c\n" * 5, capture_output=True,
+                          text=True, timeout=180, env=env)
+    assert proc.returncode == 0 and "(Pdb)" not in proc.stdout, proc.stderr[-2000:]
+    assert ("the requested step spec.4 never stopped: no request had drafts" in proc.stderr
+            and "the requested step pd.lookup never stopped: the engine has no kv_transfer_config"
+            in proc.stderr), proc.stderr[-2000:]
+    # A prompt that repeats itself gets drafts: spec.4 stops, and only pd.lookup is named.
+    repeats = SCRIPT.format(tests=os.path.dirname(__file__), model=tiny_llama_dir, spec=NGRAM,
+                            prompts=[[5, 6, 7, 8, 9] * 3])
+    proc = subprocess.run([sys.executable, "-c", repeats], input="c\n" * 5, capture_output=True,
+                          text=True, timeout=180, env=env)
+    assert proc.stdout.count("(Pdb)") == 1 and "spec.4 never" not in proc.stderr, proc.stderr[-2000:]
+    assert "pd.lookup never stopped" in proc.stderr
+
+
+def test_never_fired_names_the_missing_configuration(monkeypatch):
+    monkeypatch.setattr(steps, "_asked", {"spec.7": None, "pd.async_ready": None})
+    monkeypatch.setattr(steps, "_seen", {"spec.setup", "pd.init.scheduler"})
+    assert steps.never_fired() == [
+        "minivllm: the requested step spec.7 never stopped: no request had drafts (n-gram drafts "
+        "need a prompt that repeats itself).",
+        "minivllm: the requested step pd.async_ready never stopped: no load was asynchronous "
+        "(SharedStorageConnector loads in the forward)."]
+    monkeypatch.setattr(steps, "_seen", set())
+    assert steps.never_fired()[0].endswith("spec.7 never stopped: the engine has no speculative_config.")

@@ -21,7 +21,6 @@ from torch import nn
 
 from minivllm.attention.backends import get_attn_backend
 from minivllm.forward_context import get_forward_context
-from minivllm.steps import BREAKS, at_step
 
 
 class Attention(nn.Module):
@@ -44,7 +43,6 @@ class Attention(nn.Module):
         transfer = connector is not None and connector.has_connector_metadata()
         if transfer:
             connector.wait_for_layer_load(self.layer_name)
-            if BREAKS and at_step("pd.layer_load"): breakpoint()
 
         n = query.shape[0]
         q = query.view(n, self.num_heads, self.head_dim)
@@ -57,7 +55,6 @@ class Attention(nn.Module):
 
         if transfer:
             connector.save_kv_layer(self.layer_name, self.kv_cache, md)
-            if BREAKS and at_step("pd.layer_save"): breakpoint()
         return out.view(n, self.num_heads * self.head_dim)
 
 

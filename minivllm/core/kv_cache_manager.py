@@ -23,13 +23,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from minivllm.core.block_pool import BlockPool
 from minivllm.core.kv_cache_utils import BlockHash, KVCacheBlock, KVCacheBlocks
+from minivllm.utils import cdiv
 
 if TYPE_CHECKING:
     from minivllm.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(a // -b)
 
 
 @dataclass

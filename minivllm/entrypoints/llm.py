@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
-import torch
 from tqdm.auto import tqdm
 
-from minivllm.config import (ATTENTION_BACKENDS, LEARNED_DRAFTER_METHODS, CacheConfig,
+from minivllm.config import (LEARNED_DRAFTER_METHODS, CacheConfig, DeviceConfig,
                              KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
                              VllmConfig)
 from minivllm.engine.llm_engine import LLMEngine, PromptType
@@ -26,20 +26,42 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
+def _verify_drafter(spec: Optional[SpeculativeConfig], hf_config: Any,
+                    model: str) -> Optional[SpeculativeConfig]:
+    """The drafter's checkpoint against the target's (spec_decode/): a draft model's vocabulary,
+    a learned head's shapes. -> the config, holding a head's resolved directory (a copy: the
+    caller's config stays as given)."""
+    if spec is None:
+        return None
+    spec.verify_with_hf_config(hf_config)
+    if spec.method == "draft_model" and spec.model is not None:
+        from minivllm.spec_decode.draft_model import validate_draft_model
+        validate_draft_model(spec, hf_config)
+    if spec.method in LEARNED_DRAFTER_METHODS:
+        from minivllm.spec_decode.heads import validate_head
+        spec = dataclasses.replace(spec, model=validate_head(spec, hf_config, model))
+    return spec
+
+
+def _load_tokenizer(model_config: ModelConfig, model_path: str) -> Any:
+    if model_config.skip_tokenizer_init:
+        return None
+    from minivllm.model_executor.model_loader import load_tokenizer
+    return load_tokenizer(model_path)
+
+
+def _arm_breakpoints(break_at: Optional[Sequence[str]]) -> None:
+    """The article-step breakpoints (minivllm/steps.py), loaded only when someone asks for one."""
+    if break_at is not None or os.environ.get("MINIVLLM_BREAK") or "minivllm.steps" in sys.modules:
+        from minivllm import steps
+        steps.configure(break_at)
+
+
 class LLM:
     """Offline generation. The arguments are vLLM's (``speculative_config``, ``kv_transfer_config``,
-    ``block_size``, ``max_num_seqs`` ...) unless noted.
-
-    ``async_scheduling=True`` is vLLM 0.32's asynchronous scheduling (``SchedulerConfig.async_scheduling``,
-    vllm/v1/core/sched/async_scheduler.py; on by default there for EAGLE and the draft model on GPU).
-    The scheduler then holds ``[-1] * k`` placeholders in ``request.spec_token_ids`` instead of the
-    drafts, and the engine skips ``take_draft_token_ids`` / ``update_draft_token_ids``
-    (vllm/v1/engine/core.py ``post_step``); the model runner keeps its last proposals and writes them
-    over the placeholders in the next step's input (vllm/v1/worker/gpu_model_runner.py). Placeholders
-    it has no draft for stay -1, are rejected and count as drafted tokens in the spec metrics, as in
-    vLLM. Outputs are identical to the default (``False``, the article's flow). minivllm runs the step
-    after the previous one finished, so there is no CPU/GPU overlap to gain: the option shows the
-    data flow, not the speed-up.
+    ``block_size``, ``max_num_seqs`` ...) unless noted. Each is checked by its config class
+    (config.py) before any weights are read. ``async_scheduling=True`` is vLLM 0.32's asynchronous
+    scheduling (core/sched/async_scheduler.py); outputs equal the default, the article's flow.
     """
     def __init__(
         self,
@@ -64,24 +86,9 @@ class LLM:
         logprobs_mode: str = "raw_logprobs",   # vLLM's; see minivllm/sample/ops/logprobs.py
         max_logprobs: int = 20,
     ) -> None:
-        __import__("minivllm.steps").steps.configure(break_at)   # unknown id: ValueError, before any work
-        # 1. Plain argument checks: nothing is loaded yet.
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}.")
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                             f"got {attention_backend!r}.")
-        if attention_backend == "auto":
-            attention_backend = "triton" if device.startswith("cuda") else "cpu_attn"
-        if attention_backend == "triton":
-            # A Triton that cannot run here (e.g. TRITON_INTERPRET=0 on a CPU) fails now, with the
-            # fix, rather than inside the first forward pass.
-            from minivllm.triton_utils import triton_backend_problem
-            problem = triton_backend_problem(device)
-            if problem is not None:
-                raise ValueError(f"attention_backend='triton' cannot run on {device}: {problem}")
+        _arm_breakpoints(break_at)   # an unknown id: ValueError, before any work
+        # 1. The arguments, each checked by its config class: nothing is loaded yet.
+        device_config = DeviceConfig(device=device, attention_backend=attention_backend)
         model_config = ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
                                    skip_tokenizer_init=skip_tokenizer_init, seed=seed,
                                    logprobs_mode=logprobs_mode, max_logprobs=max_logprobs)
@@ -94,44 +101,24 @@ class LLM:
             from minivllm.distributed.kv_transfer.factory import validate_kv_transfer_config
             kv_transfer_config = validate_kv_transfer_config(kv_transfer_config)
 
-        # 2. The checkpoint: resolve (GGUF conversion happens once), check it is Llama-family.
-        from minivllm.model_executor.model_loader import (load_hf_config, load_tokenizer,
-                                                          resolve_model_path)
+        # 2. The checkpoint (GGUF conversion happens once), checked against the configs.
+        from minivllm.model_executor.model_loader import load_hf_config, resolve_model_path
         model_path = resolve_model_path(model)
         hf_config = load_hf_config(model_path)
-        limit = int(getattr(hf_config, "max_position_embeddings", 2048))
-        if max_model_len is None:
-            model_config.max_model_len = limit
-        elif max_model_len > limit:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                             f"max_position_embeddings={limit}.")
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(4096, min(model_config.max_model_len, 8192))
-        sched_config = SchedulerConfig(max_num_seqs=max_num_seqs,
-                                       max_num_batched_tokens=max_num_batched_tokens,
-                                       enable_chunked_prefill=enable_chunked_prefill,
-                                       async_scheduling=bool(async_scheduling))
-        tokenizer = None if skip_tokenizer_init else load_tokenizer(model_path)
-        if spec is not None and spec.method == "draft_model" and spec.model is not None:
-            from minivllm.spec_decode.draft_model import validate_draft_model
-            validate_draft_model(spec, hf_config)
-        if spec is not None and spec.method in LEARNED_DRAFTER_METHODS:
-            from minivllm.spec_decode.heads import validate_head
-            # A copy holding the resolved head directory (the caller's config stays as given).
-            spec = dataclasses.replace(spec, model=validate_head(spec, hf_config, model))
-        if spec is not None and spec.draft_num_layers is not None:
-            n = hf_config.num_hidden_layers
-            if not 1 <= spec.draft_num_layers <= n - 1:
-                raise ValueError(f"speculative_config.draft_num_layers must be in [1, {n - 1}] "
-                                 f"for this {n}-layer model, got {spec.draft_num_layers}.")
-
+        model_config.verify_with_hf_config(hf_config)
+        sched_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
+            max_num_batched_tokens=max_num_batched_tokens or max(
+                4096, min(model_config.max_model_len, 8192)),
+            async_scheduling=bool(async_scheduling))
+        spec = _verify_drafter(spec, hf_config, model)
         self.vllm_config = VllmConfig(model_config, cache_config, sched_config, spec,
-                                      kv_transfer_config, device=device,
-                                      attention_backend=attention_backend, hf_config=hf_config,
-                                      model_path=model_path)
+                                      kv_transfer_config, device=device_config.device,
+                                      attention_backend=device_config.attention_backend,
+                                      hf_config=hf_config, model_path=model_path)
         # 3. Build the engine: load weights, allocate the KV cache.
-        gen_eos = _generation_eos_ids(model_path)
-        self.llm_engine = LLMEngine(self.vllm_config, tokenizer, extra_eos_token_ids=gen_eos)
+        self.llm_engine = LLMEngine(self.vllm_config, _load_tokenizer(model_config, model_path),
+                                    extra_eos_token_ids=_generation_eos_ids(model_path))
         self._request_counter = 0
 
     def get_tokenizer(self) -> Any:

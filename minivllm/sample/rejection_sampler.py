@@ -36,10 +36,11 @@ import torch
 from torch import nn
 
 from minivllm import trace
-from minivllm.sample.accept import GREEDY_TEMPERATURE, _is_greedy, random_accept_mask
+from minivllm.sample.accept import (_is_greedy, apply_draft_logits_processors,
+                                    apply_sampling_constraints, expand_batch_to_tokens_torch,
+                                    random_accept_mask)
 from minivllm.sample.metadata import SamplingMetadata
-from minivllm.sample.sampler import apply_min_p, apply_temperature, apply_top_k_top_p, exponential_noise
-from minivllm.steps import BREAKS, at_step
+from minivllm.sample.sampler import exponential_noise
 
 if TYPE_CHECKING:   # spec_decode sits above sampling (its drafters sample); only the annotation
     from minivllm.spec_decode.metadata import SpecDecodeMetadata
@@ -49,13 +50,6 @@ PLACEHOLDER_TOKEN_ID = -1
 
 # ---------------------------------------------------------------------------------------------------
 # Plain-PyTorch references (same signatures as the ``*_triton`` launchers in rejection_kernels.py).
-
-def expand_batch_to_tokens_torch(x, cu_num_tokens, num_tokens, max_spec_len, replace_from=0,
-                                 replace_to=0) -> torch.Tensor:
-    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
-    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
-    return x.repeat_interleave(counts, output_size=num_tokens)
-
 
 def accept_left_to_right(output_token_ids, rows, cu_num_draft_tokens, draft_token_ids, accepted,
                          recovered_token_ids, bonus_token_ids) -> None:
@@ -160,24 +154,6 @@ def generate_recovery_noise(batch_size: int, vocab_size: int, num_draft_tokens: 
 
 # ---------------------------------------------------------------------------------------------------
 
-def apply_sampling_constraints(logits: torch.Tensor, metadata: SpecDecodeMetadata,
-                               sampling_metadata: SamplingMetadata, backend: str = "torch") -> torch.Tensor:
-    """Temperature, min_p, top-k and top-p per draft token: each request's values repeated over its
-    drafts (vLLM 0.32 leaves min_p out here; applying it keeps every position distributed as the
-    plain sampler's)."""
-    if sampling_metadata.all_greedy:
-        return logits
-    expand = _kernels(backend)[0]
-    n, cu, msl = logits.shape[0], metadata.cu_num_draft_tokens, metadata.max_spec_len
-    temperature = expand(sampling_metadata.temperature, cu, n, msl, GREEDY_TEMPERATURE, 1.0)
-    top_k = None if sampling_metadata.top_k is None else expand(sampling_metadata.top_k, cu, n, msl)
-    top_p = None if sampling_metadata.top_p is None else expand(sampling_metadata.top_p, cu, n, msl)
-    logits = apply_temperature(logits, temperature)
-    if sampling_metadata.min_p is not None:
-        logits = apply_min_p(logits, expand(sampling_metadata.min_p, cu, n, msl))
-    return apply_top_k_top_p(logits, top_k, top_p)
-
-
 def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
                      target_probs, target_argmax, bonus_token_ids, sampling_metadata,
                      backend: str = "torch") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -233,7 +209,7 @@ class RejectionSampler(nn.Module):
             draft_probs = draft_probs.float()
         # Penalties, bias, masks and min_tokens on each draft's own output position, the earlier
         # drafts counted as outputs: a draft is tested against what plain sampling would see there.
-        logits = self.apply_logits_processors(target_logits.float(), sampling_metadata, metadata)
+        logits = apply_draft_logits_processors(target_logits.float(), sampling_metadata, metadata)
         logits = apply_sampling_constraints(logits, metadata, sampling_metadata, self.backend)
         self.last_target_logits = logits
         target_probs = logits.softmax(dim=-1, dtype=torch.float32)
@@ -244,26 +220,13 @@ class RejectionSampler(nn.Module):
             metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,
             metadata.cu_num_draft_tokens, draft_probs, target_probs, target_argmax, bonus_token_ids,
             sampling_metadata, self.backend)
-        if BREAKS and at_step("spec.7"): breakpoint()
         if self.record or trace.is_recording():
             # The model runner turns these into "spec_verify" trace events keyed by request id.
             from minivllm.sample.verify_record import build_record
             self.last_record = build_record(metadata, sampling_metadata, target_logits, draft_probs,
-                                            target_probs, target_argmax, uniform_probs, output, self)
+                                            target_probs, target_argmax, uniform_probs, output)
         return output
 
-    apply_sampling_constraints = staticmethod(apply_sampling_constraints)   # the record re-applies it
-
-    @staticmethod
-    def apply_logits_processors(logits: torch.Tensor, sampling_metadata: SamplingMetadata,
-                                metadata: SpecDecodeMetadata) -> torch.Tensor:
-        """vLLM's ``RejectionSampler.apply_logits_processors``: the sampler's processors at every
-        draft position, the earlier drafts counted as outputs (``ops/processors.py``), when a
-        request asked for one."""
-        if not sampling_metadata.needs_logits_processors:
-            return logits
-        from minivllm.sample.ops import processors
-        return processors.apply_draft_logits_processors(logits, sampling_metadata, metadata)
 
     @staticmethod
     def parse_output(output_token_ids: torch.Tensor, vocab_size: int,
@@ -273,10 +236,6 @@ class RejectionSampler(nn.Module):
         discard = set(discard_req_indices)
         return [[] if i in discard else [t for t in row if 0 <= t < vocab_size]
                 for i, row in enumerate(rows)]
-
-
-def parse_output(output_token_ids: torch.Tensor, vocab_size: int, discard_req_indices=()) -> list[list[int]]:
-    return RejectionSampler.parse_output(output_token_ids, vocab_size, discard_req_indices)
 
 
 def _check_inputs(metadata, draft_probs, target_logits, bonus_token_ids, sampling_metadata) -> None:

@@ -16,11 +16,11 @@ from typing import Optional, TYPE_CHECKING
 
 import torch
 
-from minivllm.sample.accept import _is_greedy, random_accept_mask
+from minivllm.sample.accept import (_is_greedy, apply_draft_logits_processors,
+                                    apply_sampling_constraints, random_accept_mask)
 from minivllm.sample.metadata import SamplingMetadata
 
 if TYPE_CHECKING:
-    from minivllm.sample.rejection_sampler import RejectionSampler
     from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
 
@@ -44,8 +44,7 @@ def _at_drafts(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def build_record(metadata: "SpecDecodeMetadata", sampling_metadata: SamplingMetadata,
                  target_logits: torch.Tensor, draft_probs: Optional[torch.Tensor],
                  target_probs: torch.Tensor, target_argmax: torch.Tensor,
-                 uniform_probs: Optional[torch.Tensor], output: torch.Tensor,
-                 sampler: "RejectionSampler") -> list[list[dict]]:
+                 uniform_probs: Optional[torch.Tensor], output: torch.Tensor) -> list[list[dict]]:
     """The per-position decisions, gathered from the same tensors the kernels read.
 
     ``target_logits`` ``[num_draft_tokens, vocab]``: the target's logits before the logits
@@ -78,9 +77,9 @@ def build_record(metadata: "SpecDecodeMetadata", sampling_metadata: SamplingMeta
     greedy_tok = is_greedy.repeat_interleave(counts, output_size=draft.numel())
 
     raw = target_logits.float()
-    processed = sampler.apply_logits_processors(raw, md, metadata)
+    processed = apply_draft_logits_processors(raw, md, metadata)
     ignored = _processed_drafts_ignored(raw, md, metadata) if md.needs_logits_processors else processed
-    constrained_ignored = sampler.apply_sampling_constraints(ignored, metadata, md)
+    constrained_ignored = apply_sampling_constraints(ignored, metadata, md)
     probs_ignored = constrained_ignored.softmax(dim=-1, dtype=torch.float32)
 
     def decide(probs: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 from minivllm.utils import resolve_obj_by_qualname
 
 DRAFTERS = {
-    "ngram": "minivllm.spec_decode.ngram_proposer.NgramDrafter",
+    "ngram": "minivllm.spec_decode.ngram_proposer.NgramProposer.from_config",
     "draft_model": "minivllm.spec_decode.draft_model.DraftModelProposer",
     "eagle": "minivllm.spec_decode.eagle.EagleProposer",       # heads: models/llama_eagle.py
     "eagle3": "minivllm.spec_decode.eagle.EagleProposer",      # heads: models/llama_eagle3.py

@@ -23,9 +23,13 @@ import numpy as np
 from minivllm.spec_decode.base_proposer import Proposer
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
+    """The drafter for ``method="ngram"`` (the object ``create_drafter`` returns, via
+    ``from_config``): ``propose`` on one context, ``propose_for_batch`` on the runner's batch."""
+
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, num_speculative_tokens: int,
                  max_model_len: Optional[int] = None, match: str = "first") -> None:
+        super().__init__()
         if prompt_lookup_min < 1 or prompt_lookup_max < prompt_lookup_min:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{prompt_lookup_min} and {prompt_lookup_max}.")
@@ -39,8 +43,31 @@ class NgramProposer:
         self.max_model_len = max_model_len
         self.match = match
 
+    @classmethod
+    def from_config(cls, vllm_config: Any, device: Any = None, dtype: Any = None) -> "NgramProposer":
+        """vLLM's ``NgramProposer(vllm_config)``: the bounds, k and the match rule from
+        ``speculative_config``."""
+        spec = vllm_config.speculative_config
+        return cls(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens,
+                   max_model_len=vllm_config.model_config.max_model_len, match=spec.ngram_match)
+
     def load_model(self, *args, **kwargs) -> None:
         """Nothing to load: the drafter is the context itself."""
+
+    def propose_for_batch(self, runner: Any, limits: dict[str, int], so: Any) -> dict[str, list[int]]:
+        """Article step 2 for the batch: ``propose`` on each request's row of
+        ``input_batch.token_ids_cpu`` (its context without this step's drafts), cut to its limit."""
+        batch = runner.input_batch
+        drafts = {}
+        for req_id, limit in limits.items():
+            if limit <= 0:
+                continue
+            row = batch.req_id_to_index[req_id]
+            context = batch.token_ids_cpu[row, :batch.num_tokens_no_spec[row]]
+            proposal = self.propose(context)[:limit]
+            if len(proposal):
+                drafts[req_id] = [int(t) for t in proposal]
+        return drafts
 
     def propose(self, context_token_ids: Sequence[int]) -> list[int]:
         """Up to k draft tokens continuing ``context_token_ids`` (prompt + output); [] when no match."""
@@ -81,31 +108,3 @@ class NgramProposer:
                 break
             match_len += still_matching
         return match_len
-
-
-class NgramDrafter(Proposer):
-    """The ``Proposer`` for ``method="ngram"``: ``NgramProposer`` on each request's row of
-    ``input_batch.token_ids_cpu`` (its context without this step's drafts)."""
-
-    def __init__(self, vllm_config: Any, device: Any = None, dtype: Any = None) -> None:
-        super().__init__()
-        spec = vllm_config.speculative_config
-        self.proposer = NgramProposer(
-            spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens,
-            max_model_len=vllm_config.model_config.max_model_len, match=spec.ngram_match)
-
-    def load_model(self, target_model: Any) -> None:
-        self.proposer.load_model(target_model)
-
-    def propose_for_batch(self, runner: Any, limits: dict[str, int], so: Any) -> dict[str, list[int]]:
-        batch = runner.input_batch
-        drafts = {}
-        for req_id, limit in limits.items():
-            if limit <= 0:
-                continue
-            row = batch.req_id_to_index[req_id]
-            context = batch.token_ids_cpu[row, :batch.num_tokens_no_spec[row]]
-            proposal = self.proposer.propose(context)[:limit]
-            if len(proposal):
-                drafts[req_id] = [int(t) for t in proposal]
-        return drafts

@@ -21,7 +21,6 @@ except ``take_draft_token_ids``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -34,70 +33,26 @@ from minivllm.config import VllmConfig
 from minivllm.core.sched.output import SchedulerOutput
 from minivllm.forward_context import set_forward_context
 from minivllm.model_executor.model_loader import load_model
-from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.sampler import Sampler
-from minivllm.steps import BREAKS, at_step
+from minivllm.utils import cdiv
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
 from minivllm.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+from minivllm.worker.outputs import ExecuteModelState, ModelRunnerOutput
+from minivllm.worker.sampling import SamplingMixin
 
 if TYPE_CHECKING:   # loaded with spec decode only
     from minivllm.sample.rejection_sampler import RejectionSampler
     from minivllm.spec_decode.metadata import SpecDecodeMetadata
     from minivllm.spec_decode.utils import TargetStepOutputs
 
-
-@dataclass
-class ModelRunnerOutput:
-    req_ids: list[str]
-    req_id_to_index: dict[str, int]
-    # One list per request row: accepted drafts + one bonus/recovered token, or [] for a partial
-    # prefill chunk.
-    sampled_token_ids: list[list[int]]
-    kv_connector_output: Any = None
-    timings: dict[str, float] = field(default_factory=dict)
-    # vLLM's logprobs (LogprobsLists): per request row ``None`` or, per sampled token, the
-    # ``(token_ids, logprobs, rank)`` of the sampled token first and then the top k.
-    logprobs: Optional[list[Optional[list[tuple[list[int], list[float], int]]]]] = None
-    # vLLM's prompt_logprobs_dict: req_id -> one entry per prompt token after the first, the same
-    # triples, given once, in the step that finishes the prompt.
-    prompt_logprobs_dict: dict[str, list[tuple[list[int], list[float], int]]] = field(
-        default_factory=dict)
+__all__ = ["ExecuteModelState", "ModelRunner", "ModelRunnerOutput"]
 
 
-@dataclass
-class ExecuteModelState:
-    """What ``execute_model`` leaves for ``sample_tokens`` (vLLM 0.32's ``ExecuteModelState``):
-    ``T`` scheduled tokens of ``n`` requests, ``S`` sampled rows (one per request, plus one per
-    scheduled draft)."""
-    scheduler_output: SchedulerOutput
-    logits: torch.Tensor                  # [S, vocab]
-    spec_decode_metadata: Optional[SpecDecodeMetadata]
-    input_ids: torch.Tensor               # [T]
-    positions: torch.Tensor               # [T]
-    attn_metadata: AttentionMetadata
-    seq_lens: np.ndarray                  # [n] context length after this step's tokens
-    hidden_states: torch.Tensor           # [T, H]
-    aux_hidden_states: Optional[list[torch.Tensor]]   # EAGLE-3: 3 x [T, H], else None
-    logits_indices: torch.Tensor          # [S] rows of hidden_states the logits come from
-    kv_connector_output: Any = None
-
-    def target_step_outputs(self, sampled_token_ids: list[list[int]]) -> TargetStepOutputs:
-        """The target's step as the learned drafters read it (``uses_target_hidden_states``)."""
-        from minivllm.spec_decode.utils import TargetStepOutputs
-        md = self.attn_metadata
-        return TargetStepOutputs(
-            self.input_ids.cpu().numpy(), self.positions.cpu().numpy(),
-            md.slot_mapping.cpu().numpy(), md.query_start_loc.cpu().numpy(), self.seq_lens,
-            self.hidden_states, self.aux_hidden_states, self.logits_indices,
-            self.spec_decode_metadata, sampled_token_ids)
+def _int32(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(values, dtype=np.int32)).to(device)
 
 
-class ModelRunner(KVConnectorModelRunnerMixin):
-    # This step's logprob rows ``[S, vocab]`` and where each request's tokens start, when a
-    # request asked for logprobs (the numbers are gathered in worker/logprobs.py).
-    _logprobs_rows: Optional[tuple[torch.Tensor, list[int]]] = None
-    _prompt_logprobs_progress: Optional[dict[str, Any]] = None   # the same, per prompt
-
+class ModelRunner(SamplingMixin, KVConnectorModelRunnerMixin):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, dtype: torch.dtype,
                  kv_connector: Any = None) -> None:
         self.vllm_config = vllm_config
@@ -108,7 +63,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         self.kv_connector = kv_connector
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len,
-                                      -(-self.max_model_len // self.block_size), self.block_size)
+                                      cdiv(self.max_model_len, self.block_size), self.block_size)
         self.sampler = Sampler(vllm_config.model_config.logprobs_mode)
         self.model: Any = None
         self.kv_caches: list[torch.Tensor] = []
@@ -124,7 +79,6 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             from minivllm.spec_decode import create_drafter
             self.drafter = create_drafter(vllm_config, device, dtype)
             self.rejection_sampler = RejectionSampler(backend="auto")
-            if BREAKS and at_step("spec.setup"): breakpoint()
         # EAGLE-3 reads residual streams of the target (vLLM's use_aux_hidden_state_outputs); the
         # learned drafters read this step's target states from target_step_outputs.
         self.use_aux_hidden_state_outputs = (self.speculative_config is not None
@@ -144,7 +98,6 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             for name, layer in self.drafter.attn_layers().items():
                 if name in target_names:
                     layer.layer_name = f"drafter.{name}"
-            if BREAKS and at_step("spec.load"): breakpoint()
 
     def kv_cache_bytes_per_block(self) -> int:
         per_token = kv_cache_bytes_per_token(self.model.attn_layers().values(), self.dtype)
@@ -190,7 +143,6 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             batch.token_ids_cpu[row, start:start + len(drafts)] = drafts
             batch.num_tokens[row] = start + len(drafts)
             batch.spec_token_ids[req_id] = list(drafts)
-            if BREAKS and at_step("spec.5", drafts): breakpoint()
 
     def _update_cached_requests(self, so: SchedulerOutput) -> None:
         """Requests scheduled before: their new blocks and computed tokens; a resumed one (back
@@ -255,30 +207,48 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         """Article step 6: which hidden-state rows get logits, and where each draft's target lives.
 
         Request i's sampled rows are the last ``num_draft_tokens[i] + 1`` of its scheduled range;
-        the target distribution for draft j is the logit one position *before* the draft itself."""
+        the target distribution for draft j is the logit one position *before* the draft itself.
+        ``num_draft_tokens`` and ``cu_num_scheduled_tokens`` are ``[batch]``; every index tensor
+        out is int32 (the table in spec_decode/metadata.py). A worked example, checked by
+        tests/test_spec_decode_metadata.py: a prefill chunk of 5 tokens, then a request verifying
+        3 drafts (its sampled token and the 3 drafts: 4 tokens), then one verifying 1 draft::
+
+            num_draft_tokens:        [0, 3, 1]
+            cu_num_scheduled_tokens: [5, 9, 11]
+            num_sampled_tokens:      [1, 4, 2]           drafts + 1
+            cu_num_sampled_tokens:   [1, 5, 7]
+            logits_indices:          [4, 5, 6, 7, 8, 9, 10]   last num_sampled_tokens rows of each
+            target_logits_indices:   [1, 2, 3, 5]        rows of the logits: one per draft
+            bonus_logits_indices:    [0, 4, 6]           each request's last logits row
+            cu_num_draft_tokens:     [0, 3, 4]
+        """
         from minivllm.spec_decode.metadata import SpecDecodeMetadata
-        num_sampled = num_draft_tokens + 1
-        cu_num_sampled = np.cumsum(num_sampled)
-        first_sampled = cu_num_sampled - num_sampled
-        logits_indices = np.concatenate([
-            np.arange(end - s, end) for end, s in zip(cu_num_scheduled_tokens, num_sampled)])
-        bonus_logits_indices = cu_num_sampled - 1
-        cu_num_draft = np.cumsum(num_draft_tokens)
+        num_sampled_tokens = num_draft_tokens + 1
+        cu_num_sampled_tokens = np.cumsum(num_sampled_tokens)
+        cu_num_draft_tokens = np.cumsum(num_draft_tokens)
+        # Hidden-state rows: the last num_sampled_tokens of each request's scheduled range.
+        first_logits_row = cu_num_scheduled_tokens - num_sampled_tokens
+        logits_indices = np.concatenate(
+            [np.arange(first, end) for first, end in zip(first_logits_row, cu_num_scheduled_tokens)])
+        # Rows of the logits: draft j's target is request i's (j)th sampled row, its bonus the last.
+        first_sampled_row = cu_num_sampled_tokens - num_sampled_tokens
         target_logits_indices = np.concatenate(
-            [np.arange(f, f + d) for f, d in zip(first_sampled, num_draft_tokens)]).astype(np.int64)
-        # The drafts are the inputs one row after their target rows.
-        draft_token_ids = self.input_batch.token_ids_cpu[
-            np.repeat(np.arange(len(num_draft_tokens)), num_draft_tokens),
-            np.concatenate([self.input_batch.num_tokens_no_spec[i] + np.arange(d)
-                            for i, d in enumerate(num_draft_tokens)]).astype(np.int64)]
-        if BREAKS and at_step("spec.6"): breakpoint()
-        t = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(self.device)  # noqa: E731
+            [np.arange(first, first + n) for first, n in zip(first_sampled_row, num_draft_tokens)])
+        bonus_logits_indices = cu_num_sampled_tokens - 1
+        # The drafts are the inputs one row after their target rows: in token_ids_cpu, right
+        # after each request's real tokens (step 5 put them there).
+        draft_rows = np.repeat(np.arange(len(num_draft_tokens)), num_draft_tokens)
+        draft_cols = np.concatenate([self.input_batch.num_tokens_no_spec[i] + np.arange(n)
+                                     for i, n in enumerate(num_draft_tokens)])
+        draft_token_ids = self.input_batch.token_ids_cpu[draft_rows, draft_cols]
         return SpecDecodeMetadata(
-            draft_token_ids=t(draft_token_ids), num_draft_tokens=num_draft_tokens.tolist(),
-            cu_num_draft_tokens=t(cu_num_draft).to(torch.int32),
-            cu_num_sampled_tokens=t(cu_num_sampled).to(torch.int32),
-            target_logits_indices=t(target_logits_indices),
-            bonus_logits_indices=t(bonus_logits_indices), logits_indices=t(logits_indices),
+            draft_token_ids=_int32(draft_token_ids, self.device),
+            num_draft_tokens=num_draft_tokens.tolist(),
+            cu_num_draft_tokens=_int32(cu_num_draft_tokens, self.device),
+            cu_num_sampled_tokens=_int32(cu_num_sampled_tokens, self.device),
+            target_logits_indices=_int32(target_logits_indices, self.device),
+            bonus_logits_indices=_int32(bonus_logits_indices, self.device),
+            logits_indices=_int32(logits_indices, self.device),
             max_spec_len=int(num_draft_tokens.max()))
 
     # ------------------------------------------------------------------ the step
@@ -301,7 +271,6 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         self.execute_model_state = ExecuteModelState(
             so, logits, spec_md, input_ids, positions, md, seq_lens, hidden_states,
             aux_hidden_states, logits_indices, kv_connector_output)
-        if BREAKS and at_step("spec.1", so.scheduled_new_reqs): breakpoint()
         return None
 
     @torch.inference_mode()
@@ -324,87 +293,11 @@ class ModelRunner(KVConnectorModelRunnerMixin):
                                  sampled_token_ids, kv_connector_output=state.kv_connector_output,
                                  **self._logprobs_outputs(sampled_token_ids, state))
 
-    def _logprobs_outputs(self, sampled_token_ids: list[list[int]],
-                          state: ExecuteModelState) -> dict[str, Any]:
-        """``ModelRunnerOutput``'s ``logprobs`` and ``prompt_logprobs_dict`` when a request asked
-        for either (worker/logprobs.py); nothing otherwise."""
-        params = self.input_batch.sampling_params
-        if (self._logprobs_rows is None and not self._prompt_logprobs_progress
-                and all(params[r].prompt_logprobs is None for r in self.input_batch.req_ids)):
-            return {}
-        from minivllm.worker.logprobs import logprobs_outputs
-        return logprobs_outputs(self, sampled_token_ids, state)
-
-    def _prepare_sampling(self, seq_lens: np.ndarray) -> tuple[SamplingMetadata, np.ndarray]:
-        """-> the batch's ``SamplingMetadata`` and ``partial`` ``[n]``: rows that are a partial
-        prefill chunk (they sample nothing; their generator is left out so the discarded draw
-        does not shift a seeded request's random stream)."""
-        batch = self.input_batch
-        partial = seq_lens < batch.num_tokens[:batch.num_reqs]
-        generators = {i: g for i, g in batch.generators.items() if not partial[i]}
-        params = [batch.sampling_params[r] for r in batch.req_ids]
-        states = [self.requests[r] for r in batch.req_ids]
-        return SamplingMetadata.from_params(
-            params, generators, self.device,
-            prompt_token_ids=[s.prompt_token_ids for s in states],
-            output_token_ids=[s.output_token_ids for s in states],
-            spec_token_ids=[batch.spec_token_ids.get(r, []) for r in batch.req_ids],
-        ), partial
-
-    def _sample(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata,
-                partial: np.ndarray) -> list[list[int]]:
-        """Regular sampling, one token per request from ``logits`` ``[n, vocab]`` ([] for a
-        partial prefill chunk)."""
-        out = self.sampler.sample_output(logits, sampling_metadata)
-        if out.logprobs is not None:
-            self._logprobs_rows = (out.logprobs, list(range(len(partial))))
-        return [[] if partial[i] else [t] for i, t in enumerate(out.sampled_token_ids.tolist())]
-
-    def _rejection_sample(self, spec_md: SpecDecodeMetadata, logits: torch.Tensor,
-                          sampling_metadata: SamplingMetadata,
-                          partial: np.ndarray) -> list[list[int]]:
-        """Article step 7: the rejection sampler instead of regular sampling. ``logits`` ``[S,
-        vocab]`` are the rows of ``spec_md.logits_indices``. -> per request the accepted drafts
-        and one recovered or bonus token ([] for a partial prefill chunk)."""
-        bonus = self.sampler.sample_output(logits[spec_md.bonus_logits_indices], sampling_metadata,
-                                           num_draft_tokens=spec_md.num_draft_tokens)
-        out = self.rejection_sampler(spec_md, self._scheduled_draft_probs(spec_md),
-                                     logits[spec_md.target_logits_indices],
-                                     bonus.sampled_token_ids.view(-1, 1).to(torch.int32),
-                                     sampling_metadata)
-        if bonus.logprobs is not None:   # a request asked for logprobs
-            from minivllm.worker.logprobs import spec_logprobs_rows
-            self._logprobs_rows = spec_logprobs_rows(self, spec_md, logits, bonus.logprobs)
-        if trace.is_recording() and self.rejection_sampler.last_record is not None:
-            for i, rec in enumerate(self.rejection_sampler.last_record):
-                if spec_md.num_draft_tokens[i]:
-                    trace.record("spec_verify", req_id=self.input_batch.req_ids[i], positions=rec)
-        return self.rejection_sampler.parse_output(
-            out, logits.shape[-1], discard_req_indices=partial.nonzero()[0].tolist())
-
-    def _scheduled_draft_probs(self, spec_md: SpecDecodeMetadata) -> Optional[torch.Tensor]:
-        """``draft_probs`` for the rejection sampler: ``None``, the drafts are one-hot (n-gram and
-        greedy drafters: ``p_draft = 1``)."""
-        return None
-
-    def _bookkeeping_sync(self, sampled_token_ids: list[list[int]]) -> None:
-        """Append the sampled tokens to the persistent batch and to each request's state."""
-        batch = self.input_batch
-        for i, req_id in enumerate(batch.req_ids):
-            toks = sampled_token_ids[i]
-            if not toks:
-                continue
-            start = batch.num_tokens_no_spec[i]
-            end = min(start + len(toks), self.max_model_len)
-            batch.token_ids_cpu[i, start:end] = toks[:end - start]
-            batch.num_tokens_no_spec[i] = batch.num_tokens[i] = end
-            self.requests[req_id].output_token_ids.extend(toks)
-        if trace.is_recording():
-            trace.record("sampled", sampled=dict(zip(batch.req_ids, sampled_token_ids)))
-
     def propose_draft_token_ids(self, sampled_token_ids: list[list[int]],
                                 state: ExecuteModelState) -> dict[str, list[int]]:
         """Article step 2: after the forward pass and sampling, propose up to k drafts per request.
+        The article's ``propose_draft_token_ids(k)``: here k is the configuration's
+        ``num_speculative_tokens``, and the arguments are what the drafters read.
 
         A request gets at most as many drafts as it can still use: the next step emits up to
         ``drafts + 1`` tokens, so drafts stop one short of ``max_tokens`` and of the model length."""
@@ -422,7 +315,6 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         drafts = self.drafter.propose_for_batch(self, limits, state.scheduler_output)
         self.target_step_outputs = None
         trace.record("spec_propose", drafts={r: list(d) for r, d in drafts.items()})
-        if BREAKS and at_step("spec.2", any(drafts.values())): breakpoint()
         return drafts
 
     def take_draft_token_ids(self) -> Optional[dict[str, list[int]]]:

@@ -17,8 +17,7 @@ import torch
 
 from minivllm.config import VllmConfig
 from minivllm.core.sched.output import SchedulerOutput
-from minivllm.steps import BREAKS, at_step
-from minivllm.utils import resolve_obj_by_qualname
+from minivllm.utils import cdiv, resolve_obj_by_qualname
 from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -86,7 +85,6 @@ class Worker:
         self.dtype = resolve_dtype(self.vllm_config.model_config.dtype, self.device)
         torch.manual_seed(self.vllm_config.model_config.seed)
         self.kv_connector = init_worker_distributed_environment(self.vllm_config)
-        if BREAKS and at_step("pd.init.worker", self.kv_connector is not None): breakpoint()
         self.model_runner = get_model_runner_cls(self.vllm_config)(
             self.vllm_config, self.device, self.dtype, kv_connector=self.kv_connector)
 
@@ -108,7 +106,7 @@ class Worker:
         sched = self.vllm_config.scheduler_config
         max_model_len = self.vllm_config.model_config.max_model_len
         # Never more than every sequence at full length could use (+1 for the null block).
-        needed = sched.max_num_seqs * -(-max_model_len // cache.block_size) + 1
+        needed = sched.max_num_seqs * cdiv(max_model_len, cache.block_size) + 1
         return max(2, min(budget // per_block, needed))
 
     def initialize_cache(self, num_gpu_blocks: int) -> None:

@@ -27,6 +27,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from minivllm.utils import cdiv
+
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, shared: Optional[dict] = None) -> None:
@@ -68,7 +70,7 @@ def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor,
     ceil(seq_len / block_size) blocks, in block-table order, cut to the context length. Entries of
     ``block_ids`` past those are never read."""
     block_size = kv_cache.shape[2]
-    num_blocks = -(-seq_len // block_size)
+    num_blocks = cdiv(seq_len, block_size)
     blocks = block_ids[:num_blocks].long()
     key = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
     value = kv_cache[1, blocks].flatten(0, 1)[:seq_len]

@@ -1,6 +1,7 @@
 """The asynchronous scheduler, mirroring vLLM 0.32's vllm/v1/core/sched/async_scheduler.py.
 
-``LLM(..., async_scheduling=True)``. vLLM schedules step N + 1 while step N still runs on the GPU,
+``LLM(..., async_scheduling=True)``, vLLM 0.32's ``SchedulerConfig.async_scheduling`` (on by
+default there for EAGLE and the draft model on GPU). vLLM schedules step N + 1 while step N still runs on the GPU,
 so the scheduler cannot know step N's drafts: after scheduling a request it stores
 ``[-1] * k`` placeholders in ``request.spec_token_ids`` (``_update_after_schedule``). The next
 ``schedule()`` counts them like drafts (``num_tokens_with_spec``, so ``allocate_slots`` reserves their
@@ -14,6 +15,8 @@ placeholders as drafted tokens, as vLLM's spec stats do.
 Article step 3 ("store these in request.spec_token_ids") changes here: the scheduler stores
 placeholders, not drafts. minivllm keeps the step serial (no batch queue, no
 ``num_output_placeholders``): only where the drafts live changes, so outputs equal the default.
+As minivllm runs a step after the previous one finished, there is no CPU/GPU overlap to gain: the
+option shows the data flow, not the speed-up.
 """
 from __future__ import annotations
 

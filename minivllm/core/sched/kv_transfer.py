@@ -5,10 +5,8 @@ up again from ``kv_holding_waiting`` once the load landed, ``schedule_kv_holding
 ``_update_waiting_for_remote_kv``), failed loads (``_handle_invalid_blocks``), the worker's finished
 transfers (``_update_from_kv_xfer_finished``), and the delayed free of finished requests whose
 blocks a transfer still uses (``_delay_or_free``). A mixin of ``Scheduler``, kept apart so that the
-scheduling loops read in one sitting, the synchronous path straight through; it uses the
-scheduler's ``requests``, ``running``, ``waiting``, ``kv_holding_waiting``, ``kv_cache_manager``,
-``connector``, ``waiting_for_remote_kvs``, ``finished_recving_kv_req_ids``, ``delayed_free``,
-``_allocate_and_update_state`` and ``_add_to_running``.
+scheduling loops read in one sitting, the synchronous path straight through; what it uses of the
+scheduler is declared in ``SchedulerState`` (utils.py).
 
 Delayed free (vLLM's ``_free_request`` / ``_update_from_kv_xfer_finished``): a finished request
 leaves ``running`` / ``waiting`` at once, but its blocks and its ``requests`` entry stay while
@@ -26,12 +24,12 @@ from collections import deque
 from typing import Any
 
 from minivllm import trace
-from minivllm.core.sched.utils import ComputedTokens, ScheduledRequests
+from minivllm.core.sched.utils import ComputedTokens, ScheduledRequests, SchedulerState
 from minivllm.request import Request, RequestStatus
-from minivllm.steps import BREAKS, at_step
+from minivllm.utils import cdiv
 
 
-class KVTransferMixin:
+class KVTransferMixin(SchedulerState):
     # ------------------------------------------------------------------ asynchronous loads
     def _start_async_load(self, request: Request, computed_tokens: ComputedTokens) -> bool:
         """Load first, compute later: the connector's ``load_kv_async``. Blocks for the local
@@ -43,8 +41,10 @@ class KVTransferMixin:
         # No lookahead while the load is pending, as vLLM 0.32 (scheduler.py): nothing is
         # computed yet, so nothing drafts. The request gets its k slots once it runs.
         new_blocks = self._allocate_and_update_state(
-            request, 0, num_new_local_computed_tokens, new_computed_blocks,
-            num_external_computed_tokens, num_lookahead_tokens=0, delay_cache_blocks=True)
+            request, num_new_tokens=0, num_new_local_computed_tokens=num_new_local_computed_tokens,
+            new_computed_blocks=new_computed_blocks,
+            num_external_computed_tokens=num_external_computed_tokens, num_lookahead_tokens=0,
+            delay_cache_blocks=True)
         if new_blocks is None:
             return False
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -52,7 +52,6 @@ class KVTransferMixin:
         trace.record("remote_kv_wait", req_id=request.request_id,
                      num_local_computed_tokens=num_new_local_computed_tokens,
                      num_external_computed_tokens=num_external_computed_tokens)
-        if BREAKS and at_step("pd.async_wait"): breakpoint()
         return True
 
     def schedule_kv_holding(self, scheduled: ScheduledRequests) -> bool:
@@ -84,13 +83,19 @@ class KVTransferMixin:
                 fits = False
                 break
             num_new_tokens = min(num_new_tokens, scheduled.token_budget)
-            if self._allocate_and_update_state(request, num_new_tokens, 0, None, 0,
-                                               self.num_lookahead_tokens) is None:
+            new_blocks = self._allocate_and_update_state(
+                request, num_new_tokens=num_new_tokens, num_new_local_computed_tokens=0,
+                new_computed_blocks=None, num_external_computed_tokens=0,
+                num_lookahead_tokens=self.num_lookahead_tokens)
+            if new_blocks is None:
                 fits = False
                 break
             self.kv_holding_waiting.popleft()
-            self._add_to_running(request, scheduled, num_new_tokens,
-                                 ComputedTokens(None, 0, 0, request.num_computed_tokens, False))
+            loaded = ComputedTokens(
+                new_computed_blocks=None, num_new_local_computed_tokens=0,
+                num_external_computed_tokens=0, num_computed_tokens=request.num_computed_tokens,
+                load_kv_async=False)   # computed by the load: no lookup, nothing external now
+            self._add_to_running(request, scheduled, num_new_tokens, loaded)
         self.kv_holding_waiting.extendleft(reversed(skipped))
         return fits
 
@@ -103,14 +108,14 @@ class KVTransferMixin:
         affected = set()
         for req_id, target in list(self.waiting_for_remote_kvs.items()):   # async loads
             block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
-            bad = [i for i, b in enumerate(block_ids[:-(-target // self.block_size)])
+            bad = [i for i, b in enumerate(block_ids[:cdiv(target, self.block_size)])
                    if b in invalid_block_ids]
             if bad:
                 self.waiting_for_remote_kvs[req_id] = min(target, bad[0] * self.block_size)
                 affected.add(req_id)
         for request in self.running:
             block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]
-            num_blocks = -(-request.num_computed_tokens // self.block_size)
+            num_blocks = cdiv(request.num_computed_tokens, self.block_size)
             bad = [i for i, b in enumerate(block_ids[:num_blocks]) if b in invalid_block_ids]
             if not bad:
                 continue
@@ -146,7 +151,7 @@ class KVTransferMixin:
         ``get_block_ids_for_computed_tokens`` to ``request_finished``): lookahead blocks that were
         never written are not offered to a reader."""
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]
-        return block_ids[:-(-max(request.num_computed_tokens, 0) // self.block_size)]
+        return block_ids[:cdiv(max(request.num_computed_tokens, 0), self.block_size)]
 
     def _delay_or_free(self, request: Request, sending: bool, recving: bool) -> None:
         reasons = ({"sending"} if sending else set()) | ({"recving"} if recving else set())
@@ -204,5 +209,4 @@ class KVTransferMixin:
         request.num_external_computed_tokens = min(request.num_external_computed_tokens,
                                                    num_computed_tokens)
         trace.record("remote_kv_ready", req_id=req_id, num_computed_tokens=num_computed_tokens)
-        if BREAKS and at_step("pd.async_ready"): breakpoint()
         return True

@@ -7,9 +7,9 @@ vLLM's sections in order, each a function here, sharing what it builds in ``Sche
 - ``schedule_running``: the running requests (spec decode step 4: drafts in
   ``request.spec_token_ids`` count as new tokens, so ``allocate_slots`` reserves their KV slots;
   preempting from the back of ``running`` when it fails);
-- ``schedule_waiting``: the waiting ones, only if nothing was preempted, through the P/D steps
-  "cache lookup" (``_get_computed_tokens``: ``get_num_new_matched_tokens``) and "state update"
-  (``_allocate_and_update_state``: ``update_state_after_alloc``);
+- ``schedule_waiting`` (waiting.py): the waiting ones, only if nothing was preempted, through the
+  P/D steps "cache lookup" (``_get_computed_tokens``: ``get_num_new_matched_tokens``) and "state
+  update" (``_allocate_and_update_state``: ``update_state_after_alloc``);
 - ``_make_scheduler_output``: the ``SchedulerOutput``, with P/D "build metadata object"
   (``build_connector_meta``).
 An asynchronous load takes its own path, in kv_transfer.py with the other KV-transfer bookkeeping:
@@ -27,14 +27,13 @@ from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.kv_cache_utils import KVCacheBlocks, get_request_block_hasher
 from minivllm.core.sched.kv_transfer import KVTransferMixin
 from minivllm.core.sched.output import NewRequestData, SchedulerOutput
-from minivllm.core.sched.utils import (ComputedTokens, ScheduledRequests, check_stop,
-                                       make_cached_request_data, record_schedule,
-                                       schedule_spec_tokens)
+from minivllm.core.sched.utils import (ScheduledRequests, check_stop, make_cached_request_data,
+                                       record_schedule, schedule_spec_tokens)
+from minivllm.core.sched.waiting import WaitingMixin
 from minivllm.request import Request, RequestStatus
-from minivllm.steps import BREAKS, at_step
 
 
-class Scheduler(KVTransferMixin):
+class Scheduler(WaitingMixin, KVTransferMixin):
     def __init__(self, vllm_config: VllmConfig, num_gpu_blocks: int,
                  detokenize: Optional[Callable[[list[int]], str]] = None) -> None:
         self.vllm_config = vllm_config
@@ -84,7 +83,6 @@ class Scheduler(KVTransferMixin):
         if vllm_config.kv_transfer_config is not None and vllm_config.kv_transfer_config.kv_connector:
             from minivllm.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
             self.connector = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER)
-            if BREAKS and at_step("pd.init.scheduler"): breakpoint()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -173,7 +171,6 @@ class Scheduler(KVTransferMixin):
                     break
             if new_blocks is None:
                 break
-            if BREAKS and at_step("spec.4", request.spec_token_ids): breakpoint()
             scheduled_running_reqs.append(request)
             req_to_new_blocks[request.request_id] = new_blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
@@ -184,112 +181,6 @@ class Scheduler(KVTransferMixin):
         return ScheduledRequests(token_budget, scheduled_running_reqs, preempted_reqs,
                                  req_to_new_blocks, num_scheduled_tokens,
                                  scheduled_spec_decode_tokens)
-
-    def schedule_waiting(self, scheduled: ScheduledRequests) -> None:
-        """Next, the WAITING requests (vLLM's second loop), while the budget and ``max_num_seqs``
-        allow: P/D "cache lookup" (``_get_computed_tokens``), the new tokens, ``allocate_slots``
-        and P/D "state update" (``_allocate_and_update_state``), then the request runs.
-
-        A request that cannot start now moves behind the others (``skipped_waiting_requests``):
-        the connector asks to be asked again later. One whose KV loads asynchronously moves to
-        ``kv_holding_waiting`` (kv_transfer.py: ``_start_async_load``). The first one that finds
-        no room ends the loop and stays at the head of ``waiting``."""
-        skipped_waiting_requests: deque[Request] = deque()
-        while (self.waiting and scheduled.token_budget > 0
-               and len(self.running) < self.max_num_running_reqs):
-            request = self.waiting[0]
-            computed_tokens = self._get_computed_tokens(request)
-            if computed_tokens is None:
-                skipped_waiting_requests.append(self.waiting.popleft())
-                continue
-            (new_computed_blocks, num_new_local_computed_tokens, num_external_computed_tokens,
-             num_computed_tokens, load_kv_async) = computed_tokens
-            if load_kv_async:   # load first, compute later (kv_transfer.py)
-                if not self._start_async_load(request, computed_tokens):
-                    break
-                self.kv_holding_waiting.append(self.waiting.popleft())
-                continue
-            num_new_tokens = request.num_tokens - num_computed_tokens
-            if 0 < self.long_prefill_token_threshold < num_new_tokens:
-                num_new_tokens = self.long_prefill_token_threshold
-            if not self.enable_chunked_prefill and num_new_tokens > scheduled.token_budget:
-                break
-            num_new_tokens = min(num_new_tokens, scheduled.token_budget)
-            new_blocks = self._allocate_and_update_state(
-                request, num_new_tokens, num_new_local_computed_tokens, new_computed_blocks,
-                num_external_computed_tokens, num_lookahead_tokens=self.num_lookahead_tokens)
-            if new_blocks is None:
-                break   # stays at the head of `waiting`
-            self.waiting.popleft()
-            self._add_to_running(request, scheduled, num_new_tokens, computed_tokens)
-        self.waiting.extendleft(reversed(skipped_waiting_requests))
-
-    def _get_computed_tokens(self, request: Request) -> Optional[ComputedTokens]:
-        """P/D "cache lookup": the local prefix cache first, then the connector's
-        ``get_num_new_matched_tokens`` for what lies beyond it (prefill: 0; decode: maybe a hit;
-        none if the request reads no cache). None when the connector asks to be asked again later."""
-        new_computed_blocks, num_new_local_computed_tokens = (
-            self.kv_cache_manager.get_computed_blocks(request))
-        num_external_computed_tokens, load_kv_async = 0, False
-        if self.connector is not None and not request.skip_reading_prefix_cache:
-            num_external_computed_tokens, load_kv_async = (
-                self.connector.get_num_new_matched_tokens(request, num_new_local_computed_tokens))
-            if num_external_computed_tokens is None:
-                return None
-            request.num_external_computed_tokens = num_external_computed_tokens
-            if BREAKS and at_step("pd.lookup"): breakpoint()
-        num_computed_tokens = num_new_local_computed_tokens + num_external_computed_tokens
-        return ComputedTokens(new_computed_blocks, num_new_local_computed_tokens,
-                              num_external_computed_tokens, num_computed_tokens, load_kv_async)
-
-    def _allocate_and_update_state(self, request: Request, num_new_tokens: int,
-                                   num_new_local_computed_tokens: int,
-                                   new_computed_blocks: Optional[KVCacheBlocks],
-                                   num_external_computed_tokens: int, num_lookahead_tokens: int,
-                                   delay_cache_blocks: bool = False) -> Optional[KVCacheBlocks]:
-        """``allocate_slots`` for a waiting request's new and external tokens (its local hits are
-        claimed, not allocated), then P/D "state update": the connector's
-        ``update_state_after_alloc`` records an external hit to load (no-op for prefill). It gets
-        all of the request's blocks, lookahead included, as vLLM passes
-        ``kv_cache_manager.get_blocks()``. Returns the new blocks, or None when they do not fit."""
-        new_blocks = self.kv_cache_manager.allocate_slots(
-            request, num_new_tokens + num_external_computed_tokens,
-            num_new_local_computed_tokens, new_computed_blocks,
-            num_lookahead_tokens=num_lookahead_tokens, delay_cache_blocks=delay_cache_blocks)
-        if new_blocks is not None and new_computed_blocks is not None:   # admitted after a lookup
-            self.kv_cache_manager.record_prefix_cache_stats(request, num_new_local_computed_tokens)
-        if new_blocks is not None and self.connector is not None:
-            self.connector.update_state_after_alloc(
-                request, self.kv_cache_manager.get_blocks(request.request_id),
-                num_external_computed_tokens)
-            if BREAKS and at_step("pd.update_state"): breakpoint()
-        return new_blocks
-
-    def _add_to_running(self, request: Request, scheduled: ScheduledRequests, num_new_tokens: int,
-                        computed_tokens: ComputedTokens) -> None:
-        """A waiting request runs from this step on: the worker gets it in full, with all of its
-        blocks (``scheduled_new_reqs``, or ``scheduled_resumed_reqs`` after a preemption), and its
-        local and external hits count as computed (the ``"prefix_hit"`` record)."""
-        num_computed_tokens = computed_tokens.num_computed_tokens
-        num_external_computed_tokens = computed_tokens.num_external_computed_tokens
-        self.running.append(request)
-        if num_external_computed_tokens > 0:   # loaded in this step's forward
-            scheduled.has_sync_kv_loads = True
-        if request.status == RequestStatus.PREEMPTED:
-            scheduled.scheduled_resumed_reqs.append(request)
-        else:
-            scheduled.scheduled_new_reqs.append(request)
-        scheduled.req_to_new_blocks[request.request_id] = self.kv_cache_manager.get_blocks(
-            request.request_id)
-        scheduled.num_scheduled_tokens[request.request_id] = num_new_tokens
-        scheduled.token_budget -= num_new_tokens
-        request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_computed_tokens
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_computed_tokens
-        trace.record("prefix_hit", req_id=request.request_id,
-                     num_local_computed_tokens=computed_tokens.num_new_local_computed_tokens,
-                     num_external_computed_tokens=num_external_computed_tokens)
 
     def _make_scheduler_output(self, scheduled: ScheduledRequests) -> SchedulerOutput:
         """The step's ``SchedulerOutput``: new requests in full, the others as deltas; then P/D
@@ -320,7 +211,6 @@ class Scheduler(KVTransferMixin):
         if self.connector is not None:
             scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(
                 scheduler_output)
-            if BREAKS and at_step("pd.build_meta", scheduler_output.kv_connector_metadata): breakpoint()
         return scheduler_output
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
@@ -396,7 +286,6 @@ class Scheduler(KVTransferMixin):
             request.append_output_token_ids(token_id)
             if check_stop(request, self.max_model_len, self.detokenize):
                 # Tokens after a stop (e.g. accepted drafts past an EOS) are dropped.
-                if BREAKS and at_step("spec.8"): breakpoint()
                 return new_token_ids[:i + 1], True
         return new_token_ids, False
 
@@ -410,7 +299,6 @@ class Scheduler(KVTransferMixin):
                 request.spec_token_ids = []
                 continue
             request.spec_token_ids = list(drafts)
-            if BREAKS and at_step("spec.3", drafts): breakpoint()
 
     def _free_request(self, request: Request) -> None:
         """vLLM's ``_free_request``: the connector sees the blocks of the computed tokens and may

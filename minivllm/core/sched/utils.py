@@ -4,13 +4,43 @@
 (``record_schedule``)."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 from minivllm import trace
 from minivllm.core.kv_cache_utils import KVCacheBlocks
 from minivllm.core.sched.output import CachedRequestData
 from minivllm.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from minivllm.config import VllmConfig
+    from minivllm.core.kv_cache_manager import KVCacheManager
+    from minivllm.distributed.kv_transfer.base import KVConnectorBase_V1
+
+
+class SchedulerState:
+    """What the scheduler's mixins (waiting.py, kv_transfer.py) use of their host ``Scheduler``:
+    its state, set in ``Scheduler.__init__``, and the methods one mixin calls on another.
+    Declarations only, for the reader and the editor."""
+    vllm_config: VllmConfig
+    block_size: int
+    max_num_running_reqs: int
+    enable_chunked_prefill: bool
+    num_lookahead_tokens: int
+    long_prefill_token_threshold: int
+    kv_cache_manager: KVCacheManager
+    connector: Optional[KVConnectorBase_V1]
+    requests: dict[str, Request]
+    waiting: deque[Request]
+    kv_holding_waiting: deque[Request]
+    running: list[Request]
+    waiting_for_remote_kvs: dict[str, int]
+    finished_recving_kv_req_ids: set[str]
+    delayed_free: dict[str, set[str]]
+    finish_requests: Callable[[list[str], RequestStatus], None]
+    _allocate_and_update_state: Callable[..., Optional[KVCacheBlocks]]
+    _add_to_running: Callable[..., None]
 
 class ComputedTokens(NamedTuple):
     """A waiting request's cache lookup (``Scheduler._get_computed_tokens``), in vLLM's names."""

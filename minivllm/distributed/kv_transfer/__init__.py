@@ -26,7 +26,6 @@ from minivllm.distributed.kv_transfer.base import (KVConnectorBase_V1, KVConnect
                                                    KVConnectorOutput, KVConnectorRole)
 from minivllm.distributed.kv_transfer.factory import KVConnectorFactory, validate_kv_transfer_config
 from minivllm.forward_context import get_forward_context, set_forward_context
-from minivllm.steps import BREAKS, at_step
 
 __all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorOutput", "KVConnectorRole",
            "KVConnectorFactory", "validate_kv_transfer_config", "ensure_kv_transfer_initialized",
@@ -53,7 +52,6 @@ def finalize_kv_connector(connector: KVConnectorBase_V1, scheduler_output: Any,
         if wait_for_save:
             # Article: "On exit: kv_connector.wait_for_save is called."
             connector.wait_for_save()
-            if BREAKS and at_step("pd.exit"): breakpoint()
         output.finished_sending, output.finished_recving = connector.get_finished(
             scheduler_output.finished_req_ids)
         output.invalid_block_ids = connector.get_block_ids_with_load_errors()
@@ -79,7 +77,6 @@ def _get_kv_connector_output(connector: KVConnectorBase_V1,
     try:
         # Article: "On enter: kv_connector.start_load_kv is called."
         connector.start_load_kv(get_forward_context())
-        if BREAKS and at_step("pd.enter"): breakpoint()
         yield output
     finally:
         finalize_kv_connector(connector, scheduler_output, output)

@@ -17,8 +17,9 @@ The two instances never share Python state: everything the worker needs travels 
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -29,6 +30,19 @@ if TYPE_CHECKING:
     from minivllm.core.sched.output import SchedulerOutput
     from minivllm.forward_context import ForwardContext
     from minivllm.request import Request
+
+
+def recorded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A connector method that adds one ``"connector"`` trace event per call when the engine is
+    recording (what the event says about each method: recording.py, loaded then). The method's
+    own body is the article's logic only."""
+    @functools.wraps(method)
+    def call(self: "KVConnectorBase_V1", *args: Any, **kwargs: Any) -> Any:
+        if not trace.is_recording():
+            return method(self, *args, **kwargs)
+        from minivllm.distributed.kv_transfer.recording import record_call
+        return record_call(method, self, args, kwargs)
+    return call
 
 
 def checked_extra_config(ktc: Any, allowed: tuple[str, ...], connector: str) -> dict[str, Any]:

@@ -36,14 +36,13 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from minivllm import trace
 from minivllm.distributed.kv_transfer import storage
 from minivllm.distributed.kv_transfer.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                   KVConnectorRole, checked_extra_config)
+                                                   KVConnectorRole, checked_extra_config, recorded)
 from minivllm.distributed.kv_transfer.storage import align_to_block_size
 from minivllm.host_copy import copy_to_device, copy_to_host, wait_for_copies_to_host
 
@@ -81,8 +80,9 @@ class SharedStorageConnectorMetadata(KVConnectorMetadata):
 
     def add_request(self, req_id: str, token_ids: list[int], folder: str, block_ids: list[int],
                     block_size: int, is_store: bool, start: int = 0) -> None:
-        self.requests.append(ReqMeta.make_meta(req_id, token_ids, folder, block_ids, block_size,
-                                               is_store, start))
+        self.requests.append(ReqMeta.make_meta(req_id, token_ids=token_ids, folder=folder,
+                                               block_ids=block_ids, block_size=block_size,
+                                               is_store=is_store, start=start))
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"req_id": r.req_id, "is_store": r.is_store, "folder": r.folder,
@@ -129,6 +129,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         return dict(self._storage.stats)
 
     # ------------------------------------------------------------------ scheduler side
+    @recorded
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Article step "Cache lookup": the longest stored, valid prefix ``n`` (a multiple of bs,
         < len(prompt)), counted beyond the local prefix hit; always synchronous (``False``)."""
@@ -138,14 +139,10 @@ class SharedStorageConnector(KVConnectorBase_V1):
         if n_max > num_computed_tokens:
             n, name = self._storage.lookup(prompt, self._block_size, n_max, num_computed_tokens,
                                            self._verify_on_lookup)
-        num_external = max(n - num_computed_tokens, 0)
         self._lookups[request.request_id] = (n, name)
-        self._record("get_num_new_matched_tokens", request.request_id,
-                     args={"num_computed_tokens": num_computed_tokens, "num_prompt_tokens": len(prompt),
-                           "folder": name or None, "num_stored_tokens": n},
-                     result=(num_external, False))
-        return num_external, False
+        return max(n - num_computed_tokens, 0), False
 
+    @recorded
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Article step "State update": remember the requests that will load (and from where)."""
         n, name = self._lookups.pop(request.request_id, (0, ""))
@@ -153,11 +150,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
             assert n >= num_external_tokens, "update_state_after_alloc without a matching lookup"
             self._requests_need_load[request.request_id] = (
                 request.prompt_token_ids[:n], name, n - num_external_tokens)
-        self._record("update_state_after_alloc", request.request_id,
-                     args={"block_ids": blocks.get_block_ids()[0] if blocks is not None else None,
-                           "num_external_tokens": num_external_tokens},
-                     result="load" if num_external_tokens > 0 else None)
 
+    @recorded
     def build_connector_meta(self, scheduler_output: Any) -> SharedStorageConnectorMetadata:
         """Article step "Build metadata object": this step's loads (requests that had a hit) and
         stores (prefixes not stored yet, once this step's forward has computed them)."""
@@ -169,7 +163,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
             num_computed[req.req_id] = req.num_computed_tokens
             load = self._requests_need_load.pop(req.req_id, None)
             if load is not None:
-                meta.add_request(req.req_id, load[0], load[1], block_ids, bs, False, load[2])
+                token_ids, folder, start = load
+                meta.add_request(req.req_id, token_ids=token_ids, folder=folder, block_ids=block_ids,
+                                 block_size=bs, is_store=False, start=start)
             self._maybe_track_store(req.req_id, req.prompt_token_ids, block_ids)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -179,7 +175,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
             load = self._requests_need_load.pop(req_id, None)
             if load is not None:     # a preempted request re-loads into its new block list
                 assert resumed, f"{req_id}: a load can only start a (re)scheduled request"
-                meta.add_request(req_id, load[0], load[1], new_ids, bs, False, load[2])
+                token_ids, folder, start = load
+                meta.add_request(req_id, token_ids=token_ids, folder=folder, block_ids=new_ids,
+                                 block_size=bs, is_store=False, start=start)
             if req_id in self._pending_stores:
                 ids, name, blocks = self._pending_stores[req_id]
                 self._pending_stores[req_id] = (ids, name, new_ids if resumed else blocks + new_ids)
@@ -193,8 +191,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 del self._pending_stores[req_id]
                 if name not in stored_now:   # two identical prompts in one step: store once
                     stored_now.add(name)
-                    meta.add_request(req_id, ids, name, blocks, bs, True)
-        self._record("build_connector_meta", args=None, result=meta.describe())
+                    meta.add_request(req_id, token_ids=ids, folder=name, block_ids=blocks,
+                                     block_size=bs, is_store=True)
         return meta
 
     def _maybe_track_store(self, req_id: str, prompt: list[int], block_ids: list[int]) -> None:
@@ -207,24 +205,24 @@ class SharedStorageConnector(KVConnectorBase_V1):
         if not self._storage.is_stored(name, prompt[:n]):
             self._pending_stores[req_id] = (prompt[:n], name, list(block_ids))
 
+    @recorded
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         """Free the blocks at once: the KV left in ``wait_for_save``, inside the step."""
         for d in (self._lookups, self._requests_need_load, self._pending_stores):
             d.pop(request.request_id, None)
-        self._record("request_finished", request.request_id, args={"block_ids": list(block_ids)},
-                     result=(False, None))
         return False, None
 
     # ------------------------------------------------------------------ worker side
+    @recorded
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
-        self._record("register_kv_caches", args={name: list(t.shape) for name, t in kv_caches.items()})
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         self._invalid_block_ids = set()
         self._storage.drop_staged()    # a step whose forward stopped half-way left some behind
         super().bind_connector_metadata(connector_metadata)
 
+    @recorded
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Article: "On enter: kv_connector.start_load_kv" -- D reads the files into paged memory
         (all layers here, or one by one in ``wait_for_layer_load`` with ``layerwise``)."""
@@ -234,7 +232,6 @@ class SharedStorageConnector(KVConnectorBase_V1):
             self._kv_caches = {name: layer.kv_cache
                                for name, layer in forward_context.no_compile_layers.items()}
         if md is None or not self._kv_caches:
-            self._record("start_load_kv", result="nothing to load")
             return
         layout = storage.layout_of(next(iter(self._kv_caches.values())))
         for req in md.requests:
@@ -244,10 +241,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
                     self._loads.append((req, meta))
                 except storage.KVStorageError as e:
                     self._load_failed(req, e)
-        req_ids = [r.req_id for r, _ in self._loads]
-        nbytes = 0 if self._layerwise else sum(self._load_layer(name) for name in self._kv_caches)
-        self._record("start_load_kv", args={"layerwise": self._layerwise, "req_ids": req_ids},
-                     bytes=nbytes)
+        if not self._layerwise:
+            for name in self._kv_caches:
+                self._load_layer(name)
 
     def _load_layer(self, layer_name: str) -> int:
         """vLLM's ``inject_kv_into_layer``: the stored rows of every load, into their slots."""
@@ -275,12 +271,13 @@ class SharedStorageConnector(KVConnectorBase_V1):
         storage.warn(f"SharedStorageConnector: loading {req.req_id} failed ({err}); "
                      f"blocks {req.block_ids} will be recomputed.")
 
+    @recorded
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Entering each attention layer: with ``layerwise``, load this layer now."""
-        nbytes = self._load_layer(layer_name) if self._layerwise and self._loads else 0
-        if trace.is_recording():
-            self._record("wait_for_layer_load", args={"layer_name": layer_name}, bytes=nbytes)
+        if self._layerwise and self._loads:
+            self._load_layer(layer_name)
 
+    @recorded
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         """P: gather this layer's stored-prefix rows from the paged cache into host memory (vLLM's
@@ -295,9 +292,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 self._storage.stage(req.req_id, req.folder, layer_name, rows)
                 nbytes += rows.numel() * rows.element_size()
         self._storage.count(num_stored_bytes=nbytes, save_time_s=time.perf_counter() - t0)
-        if trace.is_recording():
-            self._record("save_kv_layer", args={"layer_name": layer_name}, bytes=nbytes)
 
+    @recorded
     def wait_for_save(self) -> None:
         """Article: "On exit: kv_connector.wait_for_save" -- write the gathered rows, one file
         per layer, and publish each finished folder at once (a reader sees all of it or none)."""
@@ -306,17 +302,15 @@ class SharedStorageConnector(KVConnectorBase_V1):
             wait_for_copies_to_host(next(iter(self._kv_caches.values())).device)
         stores = [(r.req_id, r.folder, r.token_ids)
                   for r in (md.requests if md is not None else []) if r.is_store]
-        results = self._storage.commit(stores, self._kv_caches)
-        self._record("wait_for_save", result=results)
+        self._storage.commit(stores, self._kv_caches)
 
+    @recorded
     def get_finished(self, finished_req_ids: set[str]) -> tuple[None, None]:
         """Nothing is asynchronous: every load and save completed inside its step."""
-        self._record("get_finished", args={"finished_req_ids": sorted(finished_req_ids)},
-                     result=(None, None))
         return None, None
 
+    @recorded
     def get_block_ids_with_load_errors(self) -> set[int]:
-        self._record("get_block_ids_with_load_errors", result=sorted(self._invalid_block_ids))
         return set(self._invalid_block_ids)
 
 

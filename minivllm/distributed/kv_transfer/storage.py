@@ -215,6 +215,7 @@ class SharedStorage:
             if writer is not None:
                 writer.abort()
         self._writers = {}
+        self.last_commit = results     # for the connector's trace record
         return results
 
     def _publish(self, req_id: str, name: str, token_ids: list[int], writer: FolderWriter,

@@ -22,7 +22,6 @@ from typing import Any, Iterator
 from minivllm.distributed.kv_transfer import bind_connector_metadata, finalize_kv_connector
 from minivllm.distributed.kv_transfer.base import KVConnectorBase_V1, KVConnectorOutput
 from minivllm.forward_context import get_forward_context, set_forward_context
-from minivllm.steps import BREAKS, at_step
 
 
 @contextmanager
@@ -37,7 +36,6 @@ def get_kv_connector_output(connector: KVConnectorBase_V1, scheduler_output: Any
     try:
         if not start_after_forward:
             connector.start_load_kv(get_forward_context())
-        if BREAKS and at_step("pd.enter"): breakpoint()
         yield output
         finalized = defer_finalize   # the runner finalizes after the drafter
     finally:

@@ -159,8 +159,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     name = args.served_model_name or args.model
     keys = api_keys_from(args.api_key)
     warn_if_open(args.host, keys)
+    # The app has no startup or shutdown work: without a lifespan task, a stop (which may not wait
+    # for idle connections, tls.py) has no task to cancel and logs no CancelledError traceback.
     server = uvicorn.Server(uvicorn.Config(build_app(async_llm, name, tuple(keys)), host=args.host,
-                                           port=args.port, log_level=args.log_level, **tls))
+                                           port=args.port, log_level=args.log_level,
+                                           lifespan="off", **tls))
     stop_when_idle(server)          # idle TLS connections must not hold up a stop (tls.py)
 
     def serve_http() -> None:

@@ -85,7 +85,7 @@ def rejection_of(step: StepRecord, req_id: str) -> Optional[dict[str, Any]]:
 
 def _top(r: dict[str, Any], n: int) -> list[int]:
     """The residual's top ``n`` tokens, plus the draft and the recovered token if not among them."""
-    ids = r["residual"].topk(n).indices.tolist()
+    ids = r["residual"].topk(min(n, r["residual"].numel())).indices.tolist()
     extra = [r["draft_token_id"], r["output_token_id"]]
     if not r["one_hot"]:
         extra += r["draft"].topk(2).indices.tolist()     # where the drafter put its own mass
@@ -155,6 +155,7 @@ def race_figure(residual: torch.Tensor, wins: torch.Tensor, tokenizer: Any = Non
     import matplotlib.pyplot as plt
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 2.8))
+    n = min(n, residual.numel())
     ids = residual.topk(n).indices.tolist()
     x = torch.arange(n).float()
     ax.bar((x - 0.2).tolist(), [residual[t].item() for t in ids], width=0.4, color="#f28e2b",

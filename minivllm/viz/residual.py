@@ -18,6 +18,7 @@ one-hot draft: ``p_target`` with the draft token set to 0, ``sample/rejection_sa
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
 import torch
@@ -39,8 +40,12 @@ class VerifyProbe:
         original = type(self.sampler).forward
         sampler, runner = self.sampler, self.runner
 
-        def forward(metadata, draft_probs, *args, **kwargs):
-            output = original(sampler, metadata, draft_probs, *args, **kwargs)
+        signature = inspect.signature(original)
+
+        def forward(*args, **kwargs):
+            output = original(sampler, *args, **kwargs)
+            bound = signature.bind(sampler, *args, **kwargs).arguments
+            metadata, draft_probs = bound["metadata"], bound["draft_probs"]
             logits = sampler.last_target_logits
             trace.record("verify_probs", req_ids=list(runner.input_batch.req_ids[:output.shape[0]]),
                          num_draft_tokens=list(metadata.num_draft_tokens),

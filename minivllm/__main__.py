@@ -1,5 +1,7 @@
 """``python -m minivllm``: the demo. Runs the default model (SmolLM2-135M-Instruct) on a few prompts,
-plain and with n-gram speculative decoding, and prints what the engine did."""
+plain and with n-gram speculative decoding, and prints what the engine did: first the number
+speculation changes, target forward passes (engine steps) for the same greedy tokens, then wall
+time, which on a shared or busy machine swings from run to run."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +16,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     from minivllm import LLM, SamplingParams
+    from minivllm.tour_notes import speculation_summary
 
     prompts = [
         "Hello, my name is",
@@ -21,25 +24,34 @@ def main(argv=None) -> None:
         "Repeat this list exactly: apples, pears, plums, apples, pears, plums, apples,",
     ]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    runs = {}
     for title, spec in [("plain decoding", None),
                         ("n-gram speculative decoding (k=3)",
                          {"method": "ngram", "prompt_lookup_max": 5, "prompt_lookup_min": 3,
                           "num_speculative_tokens": 3})]:
-        print(f"\n=== {title} ===")
+        print(f"\n=== {title}, one prompt at a time (the article's batch size 1) ===")
         llm = LLM(model=args.model, speculative_config=spec,
                   attention_backend=args.attention_backend)
+        core, outputs, forwards = llm.llm_engine.engine_core, [], []
         t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params)
+        for prompt in prompts:
+            before = core.step_index
+            outputs += llm.generate([prompt], params, use_tqdm=False)
+            forwards.append(core.step_index - before)
         dt = time.perf_counter() - t0
-        n = sum(len(o.outputs[0].token_ids) for o in outputs)
-        for o in outputs:
-            print(f"{o.prompt!r} -> {o.outputs[0].text!r}")
-        print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tokens/s, "
-              f"{llm.llm_engine.engine_core.step_index} engine steps)")
-        for m in llm.get_metrics():
-            if "spec_decode" in m.name:
-                print(f"  {m.name} = {getattr(m, 'value', None) if hasattr(m, 'value') else m.values}")
-
+        for o, f in zip(outputs, forwards):
+            print(f"{o.prompt!r} -> {o.outputs[0].text[:60]!r}...: {len(o.outputs[0].token_ids)} "
+                  f"tokens in {f} target forwards")
+        print("\n".join(speculation_summary(llm, outputs)[1:]))
+        runs[title] = (sum(forwards), dt, [o.outputs[0].token_ids for o in outputs])
+    (steps_p, dt_p, ids_p), (steps_s, dt_s, ids_s) = runs.values()
+    n = sum(len(t) for t in ids_p)
+    print("\n=== what speculation changed ===")
+    print(f"same greedy tokens: {ids_p == ids_s}")
+    print(f"{n} tokens in {steps_p} target forwards plain, {steps_s} with speculation: "
+          f"{n / steps_p:.2f} against {n / steps_s:.2f} tokens per forward")
+    print(f"wall time, one run: {n / dt_p:.1f} against {n / dt_s:.1f} tokens/s; a one-run ratio on a "
+          "shared or busy machine is noise-prone (python -m minivllm.bench measures with rounds)")
 
 if __name__ == "__main__":
     main()

@@ -11,7 +11,10 @@ debugpy stops in the engine's frame). ``--plain`` runs the forward on the refere
 calls; by default it runs the CPU's fast paths, as ``LLM()`` does.
 
 - ``spec``: the article's n-gram example (same prompts, ``temperature=0.8, top_p=0.95``, k=3), plus
-  one self-repeating prompt so that the n-gram drafter finds a match right after the prefill.
+  one self-repeating prompt so that the n-gram drafter finds a match right after the prefill, and
+  one that arrives once those drafts exist, so that a prefill meets a verify at ``spec.6``.
+
+Each stop also prints notes (``tour_notes.py``): why the numbers are what they are, ids as text.
 - ``pd``: the article's prefill and decode instances, one after the other in this process (the
   article's ``prefill_done`` event becomes "the prefill run returned"), sharing a temporary
   ``shared_storage_path``. The article's prompts are shorter than one 16-token block, so nothing
@@ -30,14 +33,18 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 from minivllm import steps
+from minivllm.tour_notes import decoded, speculation_summary
 
 SPEC_PROMPTS = ["one two three four five, one two three four five, one two three",
                 "Hello, my name is", "The president of the United States is"]
 PD_PROMPTS = ["Prefill and decode have very different performance profiles, so running them on "
               "separate instances gives tighter control over both latencies.",
               "Hello, my name is", "The president of the United States is"]
+# Arrives after the first step: its prefill shares the batch with the first verify (spec.6).
+LATE_PROMPT = "Prefill chunks and verify steps share one batch:"
 # Token-id stand-ins for a checkpoint without a tokenizer (the tests' tiny random models).
 SPEC_TOKEN_PROMPTS = [[5, 6, 7, 8, 9] * 3, [11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27]]
+LATE_TOKEN_PROMPT = {"prompt_token_ids": [41, 42, 43, 44, 45, 46]}
 PD_TOKEN_PROMPTS = [list(range(30, 70)), [11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27]]
 TOURS = {"spec": steps.GROUPS["spec"],
          "pd": tuple(i for i in steps.GROUPS["pd"] if not i.startswith("pd.async"))}
@@ -104,8 +111,9 @@ EXTRAS: dict[str, Callable[[Any], list[str]]] = {
     "spec.7": _decisions, "pd.build_meta": _metadata, "pd.enter": _metadata, "pd.exit": _files}
 
 
-def describe_frame(step: steps.Step, frame: Any) -> list[str]:
-    """The lines a stop prints: where, then each of the step's ``show`` expressions and extras."""
+def describe_frame(step: steps.Step, frame: Any, tour: Optional["Tour"] = None) -> list[str]:
+    """The lines a stop prints: where, then each of the step's ``show`` expressions and extras, then
+    the notes (``tour_notes.py``: why the numbers are what they are, ids as text)."""
     path = frame.f_code.co_filename
     here = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
     lines = [f"  article: {step.article}",
@@ -122,6 +130,12 @@ def describe_frame(step: steps.Step, frame: Any) -> list[str]:
             lines += ["  " + x for x in EXTRAS[step.id](frame)]
         except Exception as e:
             lines.append(f"  <error: {type(e).__name__}: {e}>")
+    from minivllm.tour_notes import NOTES
+    if step.id in NOTES:
+        try:
+            lines += ["  why: " + x for x in NOTES[step.id](frame, tour or Tour(out=sys.stdout))]
+        except Exception as e:
+            lines.append(f"  <error: {type(e).__name__}: {e}>")
     return lines
 
 
@@ -130,6 +144,8 @@ class Tour:
         self.mode, self.out = mode, out or sys.stdout
         self.then_and_now = then_and_now
         self.instance = ""
+        self.tokenizer: Any = None        # set once the engine is built: ids print as text too
+        self.summary: list[str] = []      # tokens per engine step (target forward), per verify
         self.stops: list[Stop] = []
 
     def hook(self, *args: Any, **kwargs: Any) -> None:
@@ -141,7 +157,7 @@ class Tour:
         tag = f"  ({self.instance} instance)" if self.instance else ""
         print(f"\n[{len(self.stops)}]{tag}", file=self.out)
         print(step.id, file=self.out)
-        print("\n".join(describe_frame(step, frame)), file=self.out, flush=True)
+        print("\n".join(describe_frame(step, frame, self)), file=self.out, flush=True)
         if self.then_and_now:
             from minivllm import then_and_now
             print("\n".join(then_and_now.describe(step.id)), file=self.out, flush=True)
@@ -192,7 +208,29 @@ def run_spec(tour: Tour, model: str, max_tokens: int, temperature: Optional[floa
                             max_tokens=max_tokens)
     llm = LLM(model=model, speculative_config=speculative_config, skip_tokenizer_init=skip,
               break_at=TOURS["spec"], **llm_kwargs)
-    return llm.generate(prompts, params, use_tqdm=False)
+    tour.tokenizer = None if skip else llm.get_tokenizer()
+    late = LATE_TOKEN_PROMPT if skip else {"prompt_token_ids": tour.tokenizer.encode(LATE_PROMPT)}
+    _print_prompts(tour, [*prompts, late], "the last one arrives once the first drafts exist, so "
+                   "its prefill meets their verify in one batch (spec.6)")
+    engine, finished = llm.llm_engine, {}
+    requests = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
+    while engine.has_unfinished_requests() and not any(r.spec_token_ids for r in requests):
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    engine.add_request(str(len(prompts)), late, params)    # now, as the first drafts wait
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    outputs = [finished[r] for r in sorted(finished, key=int)]
+    tour.summary = speculation_summary(llm, outputs)
+    return outputs
+
+
+def _print_prompts(tour: Tour, prompts: list[Any], note: str = "") -> None:
+    """The prompts, with their token ids when the tokenizer is there."""
+    print(f"prompts{': ' + note if note else ''}", file=tour.out)
+    for i, p in enumerate(prompts):
+        ids = p["prompt_token_ids"] if isinstance(p, dict) else tour.tokenizer.encode(p)
+        text = decoded(tour.tokenizer, ids)
+        print(f"  {i}: {text + ' ' if text else ''}{_short(ids, 120)} ({len(ids)} tokens)", file=tour.out)
 
 
 def run_pd(tour: Tour, model: str, max_tokens: int, temperature: Optional[float],
@@ -208,14 +246,20 @@ def run_pd(tour: Tour, model: str, max_tokens: int, temperature: Optional[float]
         tour.instance = "prefill"
         llm = LLM(model=model, kv_transfer_config=ktc, skip_tokenizer_init=skip, break_at=TOURS["pd"],
                   **llm_kwargs)
+        tour.tokenizer = None if skip else llm.get_tokenizer()
+        _print_prompts(tour, prompts if skip else [{"prompt_token_ids": tour.tokenizer.encode(p)}
+                                                   for p in prompts],
+                       "the prefill instance computes them (max_tokens=1), then the decode instance")
         llm.generate(prompts, SamplingParams(temperature=0, top_p=0.95, max_tokens=1), use_tqdm=False)
         del llm
         gc.collect()
         tour.instance = "decode"
         llm = LLM(model=model, kv_transfer_config=ktc, skip_tokenizer_init=skip, break_at=TOURS["pd"],
                   **llm_kwargs)
-        return llm.generate(prompts, SamplingParams(temperature=0, top_p=0.95, max_tokens=max_tokens),
-                            use_tqdm=False)
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, top_p=0.95,
+                                                       max_tokens=max_tokens), use_tqdm=False)
+        tour.summary = [f"decode instance: {line}" for line in speculation_summary(llm, outputs)]
+        return outputs
     finally:
         shutil.rmtree(storage, ignore_errors=True)
 
@@ -264,6 +308,7 @@ def run(argv: Optional[list[str]] = None, out: Any = None) -> Tour:
     for o in outputs:
         text = o.outputs[0].text if o.outputs[0].text else o.outputs[0].token_ids
         print(f"  output: {text!r}", file=out)
+    print("\n".join(tour.summary), file=out)
     return tour
 
 

@@ -126,6 +126,16 @@ EXPECTED = {
     "01_paged_kv_cache.ipynb": ["steps that preempted a request: [(",
                                 "tokens found in the prefix cache", "vllm:num_preemptions"],
     "02_speculative_decoding.ipynb": ["request.spec_token_ids: [", "p_target/p_draft",
+                                      # item by item: a rejection with its u, the residual's top
+                                      # tokens, the recovered token, the rows that get logits
+                                      "1 sampled token not yet computed + 3 drafts",
+                                      "only its last row samples the next token",
+                                      "rejected: p_target/p_draft = ", "< u = 0.",
+                                      "-> rejected",
+                                      "residual = max(p_target - p_draft, 0) / sum  (one-hot",
+                                      "<- recovered", "<- draft", "recovered token: ",
+                                      "share of 2000 races", "lookahead 3 = ",
+                                      "target forwards (1.00 tokens per forward)",
                                       "identical greedy tokens with and without speculation: True",
                                       "drafts counted (the sampler)", "<- differs",
                                       "identical greedy tokens with frequency_penalty, with and "
@@ -136,6 +146,7 @@ EXPECTED = {
                                               "WAITING -> WAITING_FOR_REMOTE_KVS",
                                               "WAITING_FOR_REMOTE_KVS -> WAITING -> RUNNING",
                                               "async == sync == single instance: True",
+                                              "num_chunks is not written yet",
                                               "redis-server stopped: True"],
     "05_learned_drafters.ipynb": ["held-out acceptance per draft position: [",
                                   "pass 1 wrote the target's own slots: True",

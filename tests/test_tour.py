@@ -29,8 +29,15 @@ def test_tour_spec_in_order_at_the_documented_functions(tiny_llama_dir):
     out = buf.getvalue()
     assert "<error" not in out, out
     for needle in ("request.spec_token_ids = [", "token_budget = ", "new_blocks.get_block_ids() = ",
-                   "logits_indices = [", "p_target=", "tour done: 10 stops"):
+                   "logits_indices = [", "p_target=", "tour done: 10 stops",
+                   # the prompts, spec.4's sum and the lookahead, spec.6's rows with a prefill chunk
+                   "prompts: the last one arrives once the first drafts exist", "1 sampled token whose KV "
+                   "is not computed yet + ", "why: num_lookahead_tokens 0: extra slots",
+                   "(prefill chunk: only its last row)", "(verify of ", "engine steps (one target "
+                   "forward each", "verify steps: "):
         assert needle in out, needle
+    spec6 = out.split("\nspec.6\n", 1)[1].split("\nspec.7\n", 1)[0]
+    assert "prefill chunk" in spec6 and "verify of" in spec6, spec6
     assert re.search(r"where: +minivllm/core/sched/scheduler.py:\d+ +in Scheduler.schedule", out)
     assert steps.BREAKS == {}                               # the tour disarms what it armed
 
@@ -62,6 +69,11 @@ def test_tour_pd_in_order_with_a_real_transfer(tiny_llama_dir):
     assert "num_external_computed_tokens = 32" in decode
     assert "'is_store': True" in prefill and "'is_store': False" in decode
     assert re.search(r"/: \d+ files \(", prefill)          # pd.exit lists the files written
+    # why 32 of 40, that the per-layer stops do nothing here, and whose files the decode exit lists
+    assert "(n - 1) // 16 * 16 = 32 of 40 tokens" in out
+    assert "why: _layerwise is False" in prefill and "why: _layerwise is False" in decode
+    assert "these files are the prefill instance's" in decode
+    assert "prompts: the prefill instance computes them" in out
 
 
 FAST_PATHS = ("minivllm.attention.backends.cpu_attn", "minivllm.model_executor.cpu_linear",

@@ -3,7 +3,7 @@
 | exercise | student writes | checked against |
 |---|---|---|
 | load or recompute | ``decode_load_plan(block_size, num_prompt_tokens, num_local_hit_tokens)`` | hand cases; ``SharedStorageConnector``'s ``align_to_block_size`` rule |
-| your own KV connector | ``class MyKVConnector(InMemoryConnector)``: ``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta`` | a real producer ``LLM`` and consumer ``LLM`` run through it, against a plain ``LLM`` |
+| your own KV connector | ``class MyKVConnector(InMemoryConnector)``: ``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta`` | real ``LLM`` instances run through it (``kv_producer``, ``kv_consumer``, then ``kv_both``, the article's role), against a plain ``LLM`` |
 
 ``InMemoryConnector`` is the worker half, given: the "KV-cache service" is the dict ``STORE``
 (stored prefix token ids -> {layer name: ``[2, n, num_kv_heads * head_dim]``}), shared by every
@@ -110,7 +110,8 @@ class InMemoryConnectorMetadata(KVConnectorMetadata):
 class InMemoryConnector(KVConnectorBase_V1):
     """The worker half of a connector whose "external server" is the dict ``STORE``.
 
-    Given to the scheduler half: ``self.block_size``, ``self.is_producer``, ``self.is_consumer``,
+    Given to the scheduler half: ``self.block_size``, ``self.kv_role``, ``self.is_producer``,
+    ``self.is_consumer`` (both true under ``kv_both``),
     ``self.is_stored(token_ids)``, ``self.requests_need_load`` (an empty dict for its own use).
     ``build_connector_meta`` returns an
     ``InMemoryConnectorMetadata``; each request in it is stored (``is_store=True``: its first
@@ -121,6 +122,7 @@ class InMemoryConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.block_size = vllm_config.cache_config.block_size
+        self.kv_role = ktc.kv_role
         self.is_producer, self.is_consumer = ktc.is_kv_producer, ktc.is_kv_consumer
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._pending: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
@@ -205,7 +207,8 @@ def _run(model: str, prompts: list[list[int]], max_tokens: int, ktc: Any = None)
 
 
 def _checked(cls: type) -> type:
-    """``cls`` with its lookup answer compared, call by call, with the rule it must follow."""
+    """``cls`` with its lookup answer compared, call by call, with the rule it must follow: by
+    role, a pure producer answers 0; a consumer and ``kv_both`` look the prompt up."""
     class Checked(cls):
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
             got = super().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -215,13 +218,17 @@ def _checked(cls: type) -> type:
             want = (n - num_computed_tokens if hit else 0, False)
             if tuple(got) != want:
                 raise ExerciseCheckError(
-                    f"MyKVConnector.get_num_new_matched_tokens is wrong on the "
-                    f"{'consumer' if self.is_consumer else 'producer'}: prompt of {len(prompt)} "
+                    f"{cls.__name__}.get_num_new_matched_tokens is wrong under "
+                    f"kv_role={self.kv_role!r}: prompt of {len(prompt)} "
                     f"tokens, block_size {self.block_size}, num_computed_tokens="
                     f"{num_computed_tokens} (local prefix-cache hits), stored prefix: "
                     f"{n if self.is_stored(prompt[:n]) else 0} tokens; expected {want}, got {got}."
                     + ("\n  hint: return only the tokens beyond the local hits." if
-                       num_computed_tokens and got and got[0] == n else ""))
+                       num_computed_tokens and got and got[0] == n else "")
+                    + ("\n  hint: kv_both (the article's configuration) is a producer AND a "
+                       "consumer: it must look the prompt up like a consumer. Decide by "
+                       "is_consumer, not by is_producer." if self.is_producer and self.is_consumer
+                       and want[0] and not got[0] else ""))
             return got
     return Checked
 
@@ -232,7 +239,7 @@ def check_kv_connector(cls: type) -> bool:
     a plain instance generates."""
     from minivllm.config import KVTransferConfig
     from minivllm.distributed.kv_transfer import KVConnectorFactory
-    name = "MyKVConnector"
+    name = getattr(cls, "__name__", "MyKVConnector")
     if not (isinstance(cls, type) and issubclass(cls, InMemoryConnector)):
         raise ExerciseCheckError(f"{name} must be a class deriving from exercises.InMemoryConnector.")
     for method in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta"):
@@ -260,8 +267,9 @@ def check_kv_connector(cls: type) -> bool:
                     f"expected {sorted(expected_stored)} (prompts of {[len(p) for p in prompts]} "
                     "tokens, block_size 4: every whole block before the last prompt token, "
                     "is_store=True in build_connector_meta).")
-            llm, outs = _run(model, prompts, 5, KVTransferConfig(kv_connector=registered,
-                                                                kv_role="kv_consumer"))
+            runs = [(role, *_run(model, prompts, 5, KVTransferConfig(kv_connector=registered,
+                                                                    kv_role=role)))
+                    for role in ("kv_consumer", "kv_both")]
         except NotImplementedError:
             raise ExerciseCheckError(f"{name} is not written yet: replace `raise NotImplementedError` "
                                      "with your code, run its cell, then this check again.") from None
@@ -269,25 +277,34 @@ def check_kv_connector(cls: type) -> bool:
             raise
         except Exception as e:
             raise ExerciseCheckError(f"{name}: the engine failed with {type(e).__name__}: {e}") from e
-        loaded = llm.llm_engine.engine_core.worker.kv_connector.loaded_tokens
-        for i, (p, o) in enumerate(zip(prompts, outs)):
-            want = (len(p) - 1) // 4 * 4
-            want_loaded = want       # p3's load rewrites its two locally cached blocks: same KV
-            got_loaded = loaded.get(o.request_id, 0)
-            if o.num_cached_tokens != want or got_loaded != want_loaded:
-                raise ExerciseCheckError(
-                    f"{name} on the consumer, prompt {i} ({len(p)} tokens): expected {want} tokens "
-                    f"not computed, {want_loaded} of them loaded from the store; got "
-                    f"{o.num_cached_tokens} not computed, {got_loaded} loaded."
-                    + (" hint: num_computed_tokens are local prefix-cache hits; return only the "
-                       "tokens beyond them." if i == 3 else ""))
-            if o.outputs[0].token_ids != plain[i]:
-                raise ExerciseCheckError(f"{name}: prompt {i} generated {o.outputs[0].token_ids} "
-                                         f"after the load, a plain instance {plain[i]}: the loaded "
-                                         "KV went into the wrong blocks.")
+        for role, llm, outs in runs:
+            _check_loads(name, role, llm, prompts, outs, plain)
     finally:
         STORE.clear()
         KVConnectorFactory._registry.pop(registered, None)
-    print(f"\u2713 {name}: a producer and a consumer ran through it; {len(prompts)} prompts "
-          "loaded what was stored and generated what a plain instance generates.")
+    print(f"\u2713 {name}: a producer, a consumer and a kv_both instance ran through it; "
+          f"{len(prompts)} prompts loaded what was stored and generated what a plain instance "
+          "generates.")
     return True
+
+
+def _check_loads(name: str, role: str, llm: Any, prompts: list[list[int]], outs: list[Any],
+                 plain: list[list[int]]) -> None:
+    """Each prompt: the whole blocks before its last token not computed, all of them loaded from the
+    store, and the output of a plain instance."""
+    loaded = llm.llm_engine.engine_core.worker.kv_connector.loaded_tokens
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        want = (len(p) - 1) // 4 * 4
+        want_loaded = want       # p3's load rewrites its two locally cached blocks: same KV
+        got_loaded = loaded.get(o.request_id, 0)
+        if o.num_cached_tokens != want or got_loaded != want_loaded:
+            raise ExerciseCheckError(
+                f"{name} under kv_role={role!r}, prompt {i} ({len(p)} tokens): expected {want} "
+                f"tokens not computed, {want_loaded} of them loaded from the store; got "
+                f"{o.num_cached_tokens} not computed, {got_loaded} loaded."
+                + (" hint: num_computed_tokens are local prefix-cache hits; return only the "
+                   "tokens beyond them." if i == 3 else ""))
+        if o.outputs[0].token_ids != plain[i]:
+            raise ExerciseCheckError(f"{name}: prompt {i} generated {o.outputs[0].token_ids} "
+                                     f"after the load, a plain instance {plain[i]}: the loaded "
+                                     "KV went into the wrong blocks.")

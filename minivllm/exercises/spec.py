@@ -64,6 +64,9 @@ def _passed(name: str, n_hand: int, n_ref: int, ref: str) -> bool:
 # --------------------------------------------------------------------------- 1. residual distribution
 def _residual_hint(p, q, got) -> str:
     got = torch.as_tensor(got, dtype=torch.float64)
+    if torch.isnan(got).any():
+        return ("NaN: max(p_target - p_draft, 0) is all zeros here, and 0 / 0 is NaN. The "
+                "exercise's convention: when the residual has no mass, return p_target itself.")
     if (got < -1e-9).any():
         return "some entries are negative: clamp p_target - p_draft at 0 before normalising."
     if abs(float(got.sum()) - 1) > 1e-4:
@@ -89,7 +92,8 @@ def _residual_reference_frequencies(p: torch.Tensor, q: torch.Tensor, draws: int
 def check_residual_distribution(fn: Callable) -> bool:
     """``fn(p_target, p_draft)``: 1-D float tensors over the vocabulary (each sums to 1) -> the
     distribution a rejected position's recovered token is drawn from: max(p_target - p_draft, 0),
-    normalised to sum to 1."""
+    normalised to sum to 1; when that is all zeros (p_draft == p_target: nothing is ever rejected),
+    p_target itself, as the sampler does for a -1 placeholder that drafted nothing."""
     name = "residual_distribution"
     t = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
     hand = [
@@ -97,6 +101,8 @@ def check_residual_distribution(fn: Callable) -> bool:
         ("two tokens gain", t(0.4, 0.4, 0.2, 0.0), t(0.1, 0.3, 0.1, 0.5), t(0.6, 0.2, 0.2, 0.0)),
         ("one-hot draft (n-gram): the draft token is removed", t(0.1, 0.6, 0.3), t(0.0, 1.0, 0.0),
          t(0.25, 0.0, 0.75)),
+        ("draft equals target: the residual is all zeros, so return p_target", t(0.2, 0.5, 0.3),
+         t(0.2, 0.5, 0.3), t(0.2, 0.5, 0.3)),
     ]
     for case, p, q, expected in hand:
         kw = {"p_target": p, "p_draft": q}

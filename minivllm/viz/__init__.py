@@ -5,6 +5,10 @@ Every view reads recorded events only; none recomputes what the engine did.
 - ``render_block_table_text`` / ``block_table_figure``: block tables, pool, free queue, prefix hits.
 - ``token_budget_plot``, ``request_timeline_plot``, ``kv_usage_plot``: many steps at once.
 - ``spec_step_figure`` / ``render_spec_step_text``: one verify step's drafts and decisions.
+- ``viz/residual.py``: ``VerifyProbe`` (keeps the distributions the rejection sampler tested against,
+  as step records), ``rejection_of`` / ``render_rejection_text`` / ``residual_figure`` (a rejected
+  draft, its residual, the recovered token), ``race_counts`` / ``race_figure`` (the exponential
+  race), ``render_logits_rows_text`` (step 6's rows), ``lookahead_figure`` (reserved slots).
 - ``render_penalty_verify_text`` / ``penalty_verify_figure``: the penalty at each draft position,
   earlier drafts counted (the rejection sampler) vs ignored, and the decisions (``find_penalty_verify``).
 - ``acceptance_per_position_plot``, ``acceptance_length_plot``: draft acceptance.

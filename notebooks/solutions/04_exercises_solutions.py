@@ -10,7 +10,10 @@ def residual_distribution(p_target, p_draft):
     # Where the draft over-proposed, the target has mass left over; that leftover, renormalised, is
     # what a rejected position must be drawn from for the output to follow p_target exactly.
     residual = (p_target - p_draft).clamp_min(0)
-    return residual / residual.sum()
+    total = residual.sum()
+    # p_draft == p_target: nothing is ever rejected and the residual has no mass; the convention
+    # (the sampler's, for a placeholder that drafted nothing) is p_target itself, never 0 / 0.
+    return residual / total if total > 0 else p_target.clone()
 
 
 def propose_last_match(context, min_n, max_n, k):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "suffix")
 # Methods whose drafter is a trained head over the target's hidden states (DESIGN 5.1).
 LEARNED_DRAFTER_METHODS = ("eagle", "eagle3", "medusa")
 NGRAM_MATCH_RULES = ("first", "last")
@@ -19,6 +19,22 @@ KV_CONNECTOR_CONTEXTS = ("article", "vllm_today")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_attn", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _check_suffix_options(spec: SpeculativeConfig) -> None:
+    """The ``suffix_decoding_*`` ranges of vLLM 0.32 (``_validate_suffix_decoding``)."""
+    ranges = {"suffix_decoding_max_tree_depth": (int, 1, None, ">= 1"),
+              "suffix_decoding_max_cached_requests": (int, 0, None, ">= 0"),
+              "suffix_decoding_max_spec_factor": ((int, float), 0, None, ">= 0"),
+              "suffix_decoding_min_token_prob": ((int, float), 0, 1, "in [0, 1]")}
+    for name, (kind, lo, hi, allowed) in ranges.items():
+        value = getattr(spec, name)
+        if (isinstance(value, bool) or not isinstance(value, kind) or value < lo
+                or (hi is not None and value > hi)):
+            raise ValueError(f"speculative_config.{name} must be {allowed}, got {value!r}.")
+    if spec.method == "suffix" and (spec.model is not None or spec.draft_num_layers is not None):
+        raise ValueError("speculative_config method 'suffix' drafts from suffix trees of the "
+                         "requests' own tokens: it takes no 'model' or 'draft_num_layers'.")
 
 
 @dataclass
@@ -95,6 +111,11 @@ class SpeculativeConfig:
     # distribution at the request's temperature/top-k/top-p and hands those probabilities to the
     # rejection sampler (the article's p_target / p_draft rule with a learned drafter).
     draft_sample_method: str = "greedy"
+    # method "suffix" (spec_decode/suffix_decoding.py), vLLM 0.32's names and defaults
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -134,6 +155,7 @@ class SpeculativeConfig:
         if self.method in LEARNED_DRAFTER_METHODS and self.draft_num_layers is not None:
             raise ValueError("speculative_config.draft_num_layers is for method 'draft_model' "
                              f"only, not {self.method!r}.")
+        _check_suffix_options(self)
 
     def use_eagle(self) -> bool:
         """vLLM's ``SpeculativeConfig.use_eagle``: drives the drafter type, the lookahead slots and

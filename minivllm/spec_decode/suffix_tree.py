@@ -36,16 +36,23 @@ Cost: appending a token touches the ends of the sequence's last ``max_depth`` su
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-import numpy as np
-
-_f32 = np.float32   # arctic-inference computes probabilities and scores in float32
+_F32 = array("f", [0.0])
 
 
-@dataclass(eq=False)
+def _f32(x: float) -> float:
+    """``x`` rounded to float32: arctic-inference computes probabilities and scores in float32.
+    One product, quotient or sum of float32 values, computed in float64 and then rounded, is
+    exactly the float32 result (float64 has more than twice float32's precision)."""
+    _F32[0] = x
+    return _F32[0]
+
+
+@dataclass(eq=False, slots=True)
 class Node:
     token: int
     count: int = 0
@@ -73,6 +80,9 @@ def _neg_count(node: Node) -> int:
 def _increment(parent: Node, child: Node) -> None:
     """``child.count += 1``, keeping ``parent.ranked`` in arctic-inference's order."""
     ranked, c = parent.ranked, child.count
+    if ranked[0] is child:                  # first already (an only child, most often): stays
+        child.count += 1
+        return
     head = bisect.bisect_left(ranked, -c, key=_neg_count)       # first child with count c
     i = ranked.index(child, head)
     # First of its run: to the front of the count c + 1 run. Otherwise: just before its old
@@ -86,6 +96,9 @@ def _increment(parent: Node, child: Node) -> None:
 def _decrement(parent: Node, child: Node) -> None:
     """``child.count -= 1``: it moves behind the others of its old count (front of the new run)."""
     ranked, c = parent.ranked, child.count
+    if ranked[-1] is child:                 # last already (an only child, most often): stays
+        child.count -= 1
+        return
     head = bisect.bisect_left(ranked, -c, key=_neg_count)
     end = bisect.bisect_right(ranked, -c, key=_neg_count)       # one past the last with count c
     ranked.pop(ranked.index(child, head))
@@ -162,7 +175,7 @@ class SuffixTree:
             node = self.match(context[len(context) - match_len:])
             if node is None:
                 break                           # no longer suffix can match either
-            cap = int(float(_f32(match_len) * _f32(max_spec_factor)) + 1e-6)
+            cap = int(_f32(match_len * _f32(max_spec_factor)) + 1e-6)
             draft = self.walk(node, max(0, min(max_spec_tokens, cap)), min_token_prob)
             if draft.score >= best.score:
                 best, best.match_len = draft, match_len
@@ -172,17 +185,18 @@ class SuffixTree:
         """From ``node``, follow the highest-count child while the running probability stays at
         or above ``min_token_prob``; at most ``max_tokens`` tokens."""
         draft, prob, score, floor = SuffixDraft(), _f32(1.0), _f32(0.0), _f32(min_token_prob)
-        while len(draft.token_ids) < max_tokens and node.ranked:
+        while len(draft.token_ids) < max_tokens and node.ranked and prob >= floor:
             child = node.ranked[0]
-            prob = _f32(prob * (_f32(child.count) / _f32(node.count)))
-            if prob < floor:
-                break
+            if child.count != node.count:       # else a factor of exactly 1: nothing to round
+                prob = _f32(prob * _f32(_f32(child.count) / _f32(node.count)))
+                if prob < floor:
+                    break
             score = _f32(score + prob)
             draft.token_ids.append(child.token)
-            draft.probs.append(float(prob))
+            draft.probs.append(prob)
             draft.counts.append((child.count, node.count))
             node = child
-        draft.score = float(score)
+        draft.score = score
         return draft
 
     def draw(self, max_lines: int = 40, decode=str) -> str:

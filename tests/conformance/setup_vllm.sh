@@ -47,9 +47,17 @@ install_arctic() {
     (
         # shellcheck disable=SC1091
         . "$VENV/bin/activate"
+        # The build's protobuf 5.29.6 is too old for the gencode vLLM's own dependencies import
+        # (google.rpc: 6.33.5), so vLLM's protobuf comes back after the build, and grpcio-tools
+        # (a build tool only, which pins protobuf < 6) goes.
+        local protobuf
+        protobuf=$(python -c "import importlib.metadata as m; print(m.version('protobuf'))")
         pip install -q nanobind==2.9.2 setuptools wheel ninja protobuf==5.29.6 grpcio-tools numpy
         pip install -q --no-build-isolation --no-deps "$ARCTIC"
+        pip uninstall -q -y grpcio-tools
+        pip install -q "protobuf==$protobuf"
         python -c "from arctic_inference.suffix_decoding import SuffixDecodingCache as C; C(24, 100)"
+        python -c "import vllm.tracing"     # vLLM still imports (its protobuf is back)
     )
     echo "$ARCTIC built into $VENV in $(( $(date +%s) - t0 )) s"
 }

@@ -1,6 +1,6 @@
 """Suffix decoding (``method="suffix"``): the readable tree (spec_decode/suffix_tree.py), the
-request lifecycle of ``SuffixDecodingCache`` and the proposer, the options' ranges, and greedy output
-identical with and without it. Equality with arctic-inference's tree, and with vLLM 0.32's engine,
+request lifecycle of ``SuffixDecodingCache`` and the proposer, the options' ranges, and greedy
+output identical with and without it. Equality with arctic-inference's tree, and with vLLM 0.32's engine,
 is conformance case j (tests/conformance/test_j_suffix.py)."""
 from __future__ import annotations
 
@@ -149,12 +149,12 @@ def test_a_second_request_reuses_the_first_ones_output(tiny_gqa_dir):
     llm = tiny_llm(tiny_gqa_dir, spec=dict(method="suffix", num_speculative_tokens=8))
     prompt = [[11, 250, 3, 77]]
 
-    def verify_steps() -> int:
-        before = {x.name: getattr(x, "value", None) for x in llm.get_metrics()}
+    def verify_steps():
+        names = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
+        before = {x.name: getattr(x, "value", None) or 0 for x in llm.get_metrics()}
         out = generate_tokens(llm, prompt, params)
-        after = {x.name: getattr(x, "value", None) for x in llm.get_metrics()}
-        return out, after["vllm:spec_decode_num_drafts"] - (before["vllm:spec_decode_num_drafts"] or 0), \
-            after["vllm:spec_decode_num_accepted_tokens"] - (before["vllm:spec_decode_num_accepted_tokens"] or 0)
+        after = {x.name: getattr(x, "value", None) or 0 for x in llm.get_metrics()}
+        return (out, *(after[n] - before[n] for n in names))
 
     first, drafts_first, accepted_first = verify_steps()
     second, drafts_second, accepted_second = verify_steps()

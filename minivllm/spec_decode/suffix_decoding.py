@@ -126,7 +126,8 @@ class SuffixDecodingProposer(Proposer):
         self.num_tokens_seen: dict[str, int] = {}   # req_id -> context tokens already in its tree
         self.last_match: dict[str, SuffixMatch] = {}
 
-    def propose_for_batch(self, runner: Any, limits: dict[str, int], so: Any) -> dict[str, list[int]]:
+    def propose_for_batch(self, runner: Any, limits: dict[str, int],
+                          so: Any) -> dict[str, list[int]]:
         """``limits`` holds the requests that sampled this step (not a partial prefill). Each one's
         new tokens join the trees, then it gets the best suffix draft, cut at its limit."""
         batch, drafts = runner.input_batch, {}
@@ -142,7 +143,8 @@ class SuffixDecodingProposer(Proposer):
             # cap changes which match scores best, so it is applied first, the limit after.
             draft, tree = self.suffix_cache.speculate(
                 req_id, context[-self.max_tree_depth:],
-                max_spec_tokens=min(self.num_speculative_tokens, self.max_model_len - num_tokens - 1),
+                max_spec_tokens=min(self.num_speculative_tokens,
+                                    self.max_model_len - num_tokens - 1),
                 max_spec_factor=self.max_spec_factor, min_token_prob=self.min_token_prob)
             self.last_match[req_id] = SuffixMatch(
                 context[num_tokens - draft.match_len:] if draft.match_len else [], tree,

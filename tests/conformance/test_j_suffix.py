@@ -43,7 +43,8 @@ ROW18 = ("minivllm cuts drafts at max_tokens - outputs - 1 (worker/model_runner.
 
 def _missing_arctic(result: dict) -> None:
     if "missing" in result:
-        message = f"case j: {result['missing']}; build it with `bash tests/conformance/setup_vllm.sh`"
+        message = (f"case j: {result['missing']}; build it with "
+                   "`bash tests/conformance/setup_vllm.sh`")
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(message + " (CI=true: a failure, not a skip)", pytrace=False)
         pytest.skip(message)
@@ -58,7 +59,8 @@ def _random_case(rng: random.Random) -> dict:
         r, active = rng.random(), sorted(cache.active_requests)
         free = [q for q in "abcde" if q not in cache.active_requests]
         if (r < 0.2 or not active) and free:
-            req, prompt = rng.choice(free), [rng.randrange(vocab) for _ in range(rng.randint(0, 20))]
+            req = rng.choice(free)
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 20))]
             ops.append(["start", req, prompt])
             cache.start_request(req, prompt)
             ctx[req] = list(prompt)
@@ -150,7 +152,8 @@ def replay(prompts: list[list[int]], plains: list[list[int]], k: int, cap: bool)
             context = prompt + plain[:out]
             draft, _ = cache.speculate(
                 i, context[-depth:], min(k, VLLM_MAX_MODEL_LEN - len(context) - 1),
-                OPTIONS["suffix_decoding_max_spec_factor"], OPTIONS["suffix_decoding_min_token_prob"])
+                OPTIONS["suffix_decoding_max_spec_factor"],
+                OPTIONS["suffix_decoding_min_token_prob"])
             tokens = draft.token_ids[:max(0, MAX_TOKENS - out - 1)] if cap else draft.token_ids
             n = 0
             while n < len(tokens) and tokens[n] == plain[out + n]:

@@ -21,22 +21,6 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu_attn", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def _check_suffix_options(spec: SpeculativeConfig) -> None:
-    """The ``suffix_decoding_*`` ranges of vLLM 0.32 (``_validate_suffix_decoding``)."""
-    ranges = {"suffix_decoding_max_tree_depth": (int, 1, None, ">= 1"),
-              "suffix_decoding_max_cached_requests": (int, 0, None, ">= 0"),
-              "suffix_decoding_max_spec_factor": ((int, float), 0, None, ">= 0"),
-              "suffix_decoding_min_token_prob": ((int, float), 0, 1, "in [0, 1]")}
-    for name, (kind, lo, hi, allowed) in ranges.items():
-        value = getattr(spec, name)
-        if (isinstance(value, bool) or not isinstance(value, kind) or value < lo
-                or (hi is not None and value > hi)):
-            raise ValueError(f"speculative_config.{name} must be {allowed}, got {value!r}.")
-    if spec.method == "suffix" and (spec.model is not None or spec.draft_num_layers is not None):
-        raise ValueError("speculative_config method 'suffix' drafts from suffix trees of the "
-                         "requests' own tokens: it takes no 'model' or 'draft_num_layers'.")
-
-
 @dataclass
 class ModelConfig:
     model: str
@@ -111,8 +95,7 @@ class SpeculativeConfig:
     # distribution at the request's temperature/top-k/top-p and hands those probabilities to the
     # rejection sampler (the article's p_target / p_draft rule with a learned drafter).
     draft_sample_method: str = "greedy"
-    # method "suffix" (spec_decode/suffix_decoding.py), vLLM 0.32's names and defaults
-    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_tree_depth: int = 24   # method "suffix": vLLM 0.32's names and defaults
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
@@ -155,7 +138,8 @@ class SpeculativeConfig:
         if self.method in LEARNED_DRAFTER_METHODS and self.draft_num_layers is not None:
             raise ValueError("speculative_config.draft_num_layers is for method 'draft_model' "
                              f"only, not {self.method!r}.")
-        _check_suffix_options(self)
+        if self.method == "suffix":   # vLLM checks these for this method only
+            _check_suffix_options(self)
 
     def use_eagle(self) -> bool:
         """vLLM's ``SpeculativeConfig.use_eagle``: drives the drafter type, the lookahead slots and
@@ -179,6 +163,24 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; "
                              f"allowed: {sorted(known)}.")
         return cls(**cfg)
+
+
+def _check_suffix_options(spec: SpeculativeConfig) -> None:
+    """vLLM 0.32's ``_validate_suffix_decoding`` ranges (config/speculative.py); no draft model."""
+    for name, kind, lo, hi in (("max_tree_depth", int, 1, None),
+                               ("max_cached_requests", int, 0, None),
+                               ("max_spec_factor", float, 0, None),
+                               ("min_token_prob", float, 0, 1)):
+        value = getattr(spec, "suffix_decoding_" + name)
+        if (isinstance(value, bool) or not isinstance(value, (kind, int)) or value < lo
+                or (hi is not None and value > hi)):
+            allowed = f"in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}" \
+                if kind is int else f">= {lo}"
+            raise ValueError(f"speculative_config.suffix_decoding_{name} must be {allowed}, "
+                             f"got {value!r}.")
+    if spec.model is not None or spec.draft_num_layers is not None:
+        raise ValueError("speculative_config method 'suffix' drafts from the requests' own "
+                         "tokens: it takes no 'model' or 'draft_num_layers'.")
 
 
 @dataclass

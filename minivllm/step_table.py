@@ -30,7 +30,7 @@ STEPS: tuple[Step, ...] = (
     Step("spec.2", "After the forward pass and sampling, propose k draft tokens "
          "(propose_draft_token_ids).",
          "ModelRunner.propose_draft_token_ids", "worker/model_runner.py",
-         "k, limits, drafts, self.drafter.last_match"),
+         "k, limits, drafts, getattr(self.drafter, 'last_match', None)"),
     Step("spec.3", "Store the drafts in request.spec_token_ids.",
          "Scheduler.update_draft_token_ids", "core/sched/scheduler.py",
          "request.request_id, request.spec_token_ids"),

@@ -80,7 +80,7 @@ ARTICLE_EXAMPLES = {
               "'num_speculative_tokens': 3}\n"
               "LLM(model=MODEL, skip_tokenizer_init=True, speculative_config=spec).generate("
               "[{'prompt_token_ids': [1, 2, 3, 1, 2, 3, 1, 2]}], "
-              "SamplingParams(temperature=0.8, top_p=0.95), use_tqdm=False)\n", 6222),
+              "SamplingParams(temperature=0.8, top_p=0.95), use_tqdm=False)\n", 6247),
     "pd": ("import tempfile\n"
            "from minivllm.config import KVTransferConfig\n"
            "ktc = KVTransferConfig(kv_connector='SharedStorageConnector', kv_role='kv_both', "
@@ -88,7 +88,7 @@ ARTICLE_EXAMPLES = {
            "prompt = {'prompt_token_ids': list(range(1, 40))}\n"
            "for n in (1, 8):\n"
            "    LLM(model=MODEL, skip_tokenizer_init=True, kv_transfer_config=ktc).generate("
-           "[prompt], SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)\n", 6868),
+           "[prompt], SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)\n", 6892),
 }
 
 

@@ -98,11 +98,11 @@ def test_cache_lifecycle_global_tree_and_fifo_eviction():
 
 
 @pytest.mark.parametrize("field,value,allowed", [
-    ("suffix_decoding_max_tree_depth", 0, ">= 1"),
-    ("suffix_decoding_max_cached_requests", -1, ">= 0"),
+    ("suffix_decoding_max_tree_depth", 0, "an integer >= 1"),
+    ("suffix_decoding_max_cached_requests", -1, "an integer >= 0"),
     ("suffix_decoding_max_spec_factor", -0.5, ">= 0"),
     ("suffix_decoding_min_token_prob", 1.5, r"in \[0, 1\]"),
-    ("suffix_decoding_max_tree_depth", "24", ">= 1"),
+    ("suffix_decoding_max_tree_depth", 2.5, "an integer >= 1"),
 ])
 def test_out_of_range_options_name_the_field(tiny_llama_dir, field, value, allowed):
     with pytest.raises(ValueError, match=f"speculative_config.{field} must be {allowed}"):

@@ -22,9 +22,6 @@ class Proposer:
     # Under P/D, the connector the drafter's first pass saves and loads its KV through (set by the
     # runner when the drafter's layers move with the target's; ``None``: the drafter's KV stays local).
     kv_connector: Any = None
-    # What the last proposal matched, per request, for the tour's spec.2 stop (suffix decoding:
-    # the matched suffix, the tree path walked, each draft token's score); None: nothing kept.
-    last_match: Any = None
 
     def __init__(self) -> None:
         # draft_sample_method="probabilistic": req_id -> the distributions ``[num_drafts, vocab]``

@@ -144,6 +144,8 @@ EXPECTED = {
                                   "EAGLE-3  identical greedy tokens to plain: True",
                                   "\u2713 eagle_first_pass_inputs"],
     "06_pd_at_scale.ipynb": ["keys,", "1P+2D via the proxy", "children still running: []"],
+    "08_suffix_decoding.ipynb": ["context '... c a' -> draft ['b', 'a']", "last match, in the",
+                                 "same greedy output: True", "suffix  accepted per verify step: ["],
 }
 # The notebooks that test_notebooks_browser.py runs in JupyterLab, checking EXPECTED there too.
 BROWSER_NOTEBOOKS = ["01_paged_kv_cache.ipynb", "02_speculative_decoding.ipynb"]

@@ -185,3 +185,28 @@ def test_the_spec2_stop_shows_the_suffix_match(tiny_gqa_dir):
     frame = {"self": runner_of(llm), "k": 4, "limits": {}, "drafts": {}}
     printed = _short(eval(show, {}, frame)[3])
     assert "matched_suffix=[" in printed and "path=[(" in printed and "scores=[" in printed
+
+
+def test_under_pd_the_decode_instance_drafts_as_a_colocated_one(tiny_gqa_dir, tmp_path):
+    """P computes the prompts (and stores their KV), D loads it and decodes with suffix decoding:
+    D's outputs and spec-decode counters equal a colocated run's (the trees start from the prompt
+    on D, as on any instance)."""
+    from minivllm.config import KVTransferConfig
+    spec = dict(method="suffix", num_speculative_tokens=3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    def counters(llm):
+        m = {x.name: getattr(x, "values", getattr(x, "value", None)) for x in llm.get_metrics()}
+        return [m[n] for n in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",
+                               "vllm:spec_decode_num_accepted_tokens_per_pos")]
+    colocated = tiny_llm(tiny_gqa_dir, spec, num_gpu_blocks_override=64)
+    ref = generate_tokens(colocated, PROMPTS[:3], greedy)
+    kv = KVTransferConfig("SharedStorageConnector", "kv_both",
+                          {"shared_storage_path": str(tmp_path)})
+    generate_tokens(tiny_llm(tiny_gqa_dir, spec, kv_transfer_config=kv, num_gpu_blocks_override=64),
+                    PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    d = tiny_llm(tiny_gqa_dir, spec, kv_transfer_config=kv, num_gpu_blocks_override=64)
+    out = d.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == ref
+    assert sum(o.num_cached_tokens for o in out) > 0          # D loaded P's blocks
+    assert counters(d) == counters(colocated) and counters(d)[1] > 0

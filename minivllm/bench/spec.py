@@ -186,6 +186,7 @@ def main(argv=None) -> None:
                     help="prompts of each kind run one at a time")
     ap.add_argument("--repeated-prompts", type=int, default=4,
                     help="repeated-workload prompts run one at a time (max 8)")
+    ap.add_argument("--kinds", default="grounded,open,repeated", help="prompt kinds to run")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens (and HF's "
                     "prompt_lookup_num_tokens)")
     ap.add_argument("--lookup-min", type=int, default=3, help="prompt_lookup_min (the article: 3)")
@@ -222,6 +223,8 @@ def main(argv=None) -> None:
     for kind, texts, n in (("grounded", GROUNDED, args.batch1_prompts),
                            ("open", OPEN, args.batch1_prompts),
                            ("repeated", REPEATED, args.repeated_prompts)):
+        if kind not in args.kinds.split(","):
+            continue
         cells[(kind, 1)] = [chat(t) for t in texts[:n]]
         if args.batch > 1:
             cells[(kind, args.batch)] = [chat(t) for t in texts[:args.batch]]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "suffix")
 # Methods whose drafter is a trained head over the target's hidden states (DESIGN 5.1).
 LEARNED_DRAFTER_METHODS = ("eagle", "eagle3", "medusa")
 NGRAM_MATCH_RULES = ("first", "last")
@@ -133,6 +133,10 @@ class SpeculativeConfig:
     # distribution at the request's temperature/top-k/top-p and hands those probabilities to the
     # rejection sampler (the article's p_target / p_draft rule with a learned drafter).
     draft_sample_method: str = "greedy"
+    suffix_decoding_max_tree_depth: int = 24   # method "suffix": vLLM 0.32's names and defaults
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -172,6 +176,8 @@ class SpeculativeConfig:
         if self.method in LEARNED_DRAFTER_METHODS and self.draft_num_layers is not None:
             raise ValueError("speculative_config.draft_num_layers is for method 'draft_model' "
                              f"only, not {self.method!r}.")
+        if self.method == "suffix":   # vLLM checks these for this method only
+            _check_suffix_options(self)
 
     def use_eagle(self) -> bool:
         """vLLM's ``SpeculativeConfig.use_eagle``: drives the drafter type, the lookahead slots and
@@ -202,6 +208,24 @@ class SpeculativeConfig:
         if self.draft_num_layers is not None and not 1 <= self.draft_num_layers <= n - 1:
             raise ValueError(f"speculative_config.draft_num_layers must be in [1, {n - 1}] "
                              f"for this {n}-layer model, got {self.draft_num_layers}.")
+
+
+def _check_suffix_options(spec: SpeculativeConfig) -> None:
+    """vLLM 0.32's ``_validate_suffix_decoding`` ranges (config/speculative.py); no draft model."""
+    for name, kind, lo, hi in (("max_tree_depth", int, 1, None),
+                               ("max_cached_requests", int, 0, None),
+                               ("max_spec_factor", float, 0, None),
+                               ("min_token_prob", float, 0, 1)):
+        value = getattr(spec, "suffix_decoding_" + name)
+        if (isinstance(value, bool) or not isinstance(value, (kind, int)) or value < lo
+                or (hi is not None and value > hi)):
+            allowed = f"in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}" \
+                if kind is int else f">= {lo}"
+            raise ValueError(f"speculative_config.suffix_decoding_{name} must be {allowed}, "
+                             f"got {value!r}.")
+    if spec.model is not None or spec.draft_num_layers is not None:
+        raise ValueError("speculative_config method 'suffix' drafts from the requests' own "
+                         "tokens: it takes no 'model' or 'draft_num_layers'.")
 
 
 @dataclass

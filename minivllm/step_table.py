@@ -29,7 +29,8 @@ STEPS: tuple[Step, ...] = (
          "so.num_scheduled_tokens, logits_indices, tuple(logits.shape)"),
     Step("spec.2", "After the forward pass and sampling, propose k draft tokens "
          "(propose_draft_token_ids).",
-         "ModelRunner.propose_draft_token_ids", "worker/model_runner.py", "k, limits, drafts"),
+         "ModelRunner.propose_draft_token_ids", "worker/model_runner.py",
+         "k, limits, drafts, getattr(self.drafter, 'last_match', None)"),
     Step("spec.3", "Store the drafts in request.spec_token_ids.",
          "Scheduler.update_draft_token_ids", "core/sched/scheduler.py",
          "request.request_id, request.spec_token_ids"),

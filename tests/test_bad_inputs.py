@@ -35,7 +35,7 @@ def test_block_size_must_be_a_power_of_two(tiny_llama_dir, no_weights_loaded, bl
     (dict(attention_backend="cuda"), "attention_backend must be one of"),
     (dict(dtype="int8"), "dtype must be one of"),
     (dict(max_model_len=100000), "max_model_len=100000 exceeds"),
-    (dict(speculative_config={"method": "suffix"}), "speculative_config.method must be one of"),
+    (dict(speculative_config={"method": "mtp"}), "speculative_config.method must be one of"),
 ])
 def test_bad_engine_arguments(tiny_llama_dir, no_weights_loaded, kwargs, match):
     with pytest.raises(ValueError, match=match):

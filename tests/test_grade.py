@@ -18,7 +18,7 @@ from minivllm.exercises.__main__ import main  # noqa: E402
 
 NB_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
 SPEC = ["residual_distribution", "propose_last_match", "num_blocks_to_allocate",
-        "spec_decode_logits_indices"]
+        "spec_decode_logits_indices", "walk_suffix_tree"]
 PD = ["decode_load_plan", "MyKVConnector"]
 
 

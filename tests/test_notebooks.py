@@ -155,6 +155,8 @@ EXPECTED = {
                                   "EAGLE-3  identical greedy tokens to plain: True",
                                   "\u2713 eagle_first_pass_inputs"],
     "06_pd_at_scale.ipynb": ["keys,", "1P+2D via the proxy", "children still running: []"],
+    "08_suffix_decoding.ipynb": ["context '... c a' -> draft ['b', 'a']", "last match, in the",
+                                 "same greedy output: True", "suffix  accepted per verify step: ["],
 }
 # The notebooks that test_notebooks_browser.py runs in JupyterLab, checking EXPECTED there too.
 BROWSER_NOTEBOOKS = ["01_paged_kv_cache.ipynb", "02_speculative_decoding.ipynb"]
@@ -234,7 +236,7 @@ def _solutions():
 
 def test_exercises_notebook_as_shipped_stops_at_the_first_check(monkeypatch):
     nb = read("04_exercises.ipynb")
-    assert sum("exercise" in c.metadata.get("tags", []) for c in nb.cells) == 4
+    assert sum("exercise" in c.metadata.get("tags", []) for c in nb.cells) == 5
     with pytest.raises(nbclient.exceptions.CellExecutionError, match="not written yet"):
         run_notebook(nb, monkeypatch)
 
@@ -247,5 +249,5 @@ def test_exercises_notebook_with_solutions_passes_every_check(monkeypatch):
             name = cell.source.split("def ", 1)[1].split("(", 1)[0]
             cell.source = "import torch\n\n" + inspect.getsource(getattr(solutions, name))
     text = outputs_text(run_notebook(nb, monkeypatch))
-    assert text.count("\u2713") == 4, text
+    assert text.count("\u2713") == 5, text
     assert not output_size_problems(nb, "04_exercises.ipynb"), output_size_problems(nb, "04")

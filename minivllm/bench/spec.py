@@ -5,9 +5,14 @@ Two kinds of prompts, both through the chat template so the instruct model answe
 - *input-grounded*: repeat or edit given code, quote a passage (the answer copies the prompt,
   which is where n-gram drafting shines);
 - *open*: stories and explanations (little to copy).
+A third kind, *repeated*: the same editing instruction on similar code snippets (other names),
+the workload where suffix decoding's global tree pays (a request drafts from earlier requests'
+outputs); it runs ``--repeated-prompts`` requests one after another and, batched, ``--batch``.
 Each kind runs with one request at a time (``--batch1-prompts`` of them, one after another) and
 with ``--batch`` concurrent requests. Methods: plain decoding, n-gram with vLLM's first-match rule
-and with the last-match rule the article suggests, a self-draft (the first ``--draft-layers``
+and with the last-match rule the article suggests, suffix decoding (vLLM 0.32's ``method="suffix"``,
+its default options; each cell starts with an empty global tree, so no run drafts from an earlier
+run of the same prompts), a self-draft (the first ``--draft-layers``
 layers), the learned drafters EAGLE, EAGLE-3 and Medusa (the heads shipped in
 ``minivllm/spec_decode/heads/``, or ``--heads-dir``), and Hugging Face ``generate()`` plain and with
 ``prompt_lookup_num_tokens=k`` (assisted generation runs at batch 1 only in transformers, so the HF
@@ -67,6 +72,12 @@ GROUNDED = [
     "Repeat the following paragraph, replacing 'keeper' with 'guardian':\n\n" + PASSAGE,
     "Output this code unchanged:\n\n" + CODE,
 ]
+EDIT = "Add a type hint to every function argument in this code and output the full code:\n\n"
+# (function name, variable name): the snippets of the repeated workload
+RENAMES = [("parse_config", "config"), ("read_settings", "setting"), ("load_options", "option"),
+           ("parse_params", "param"), ("read_rules", "rule"), ("load_profile", "profile"),
+           ("parse_presets", "preset"), ("read_layout", "layout")]
+REPEATED = [EDIT + CODE.replace("parse_config", f).replace("config", v) for f, v in RENAMES]
 OPEN = [
     "Write a short story about a robot who learns to paint.",
     "Explain how a bicycle stays upright while moving.",
@@ -97,6 +108,12 @@ class MiniVLLMRunner:
                 for m in self.llm.get_metrics() if "spec_decode_num" in m.name}
 
     def run(self, prompts, batch) -> dict:
+        drafter = self.llm.llm_engine.engine_core.worker.model_runner.drafter
+        if hasattr(drafter, "suffix_cache"):   # suffix decoding: every run from an empty cache
+            from minivllm.spec_decode.suffix_decoding import SuffixDecodingCache
+            c = drafter.suffix_cache
+            drafter.suffix_cache = SuffixDecodingCache(c.max_tree_depth, c.max_cached_requests)
+            drafter.num_tokens_seen = {}
         before = self._counters()
         groups = [[p] for p in prompts] if batch == 1 else [prompts]
         t0 = time.perf_counter()
@@ -167,6 +184,9 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=8, help="concurrent requests (max 8)")
     ap.add_argument("--batch1-prompts", type=int, default=2,
                     help="prompts of each kind run one at a time")
+    ap.add_argument("--repeated-prompts", type=int, default=4,
+                    help="repeated-workload prompts run one at a time (max 8)")
+    ap.add_argument("--kinds", default="grounded,open,repeated", help="prompt kinds to run")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens (and HF's "
                     "prompt_lookup_num_tokens)")
     ap.add_argument("--lookup-min", type=int, default=3, help="prompt_lookup_min (the article: 3)")
@@ -200,8 +220,12 @@ def main(argv=None) -> None:
         return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                        add_generation_prompt=True)
     cells = {}
-    for kind, texts in (("grounded", GROUNDED), ("open", OPEN)):
-        cells[(kind, 1)] = [chat(t) for t in texts[:args.batch1_prompts]]
+    for kind, texts, n in (("grounded", GROUNDED, args.batch1_prompts),
+                           ("open", OPEN, args.batch1_prompts),
+                           ("repeated", REPEATED, args.repeated_prompts)):
+        if kind not in args.kinds.split(","):
+            continue
+        cells[(kind, 1)] = [chat(t) for t in texts[:n]]
         if args.batch > 1:
             cells[(kind, args.batch)] = [chat(t) for t in texts[:args.batch]]
     k = args.k
@@ -213,7 +237,8 @@ def main(argv=None) -> None:
           f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}", flush=True)
     specs = {"plain": None,
              "ngram first": ngram(k, args.lookup_min, args.lookup_max, "first"),
-             "ngram last": ngram(k, args.lookup_min, args.lookup_max, "last")}
+             "ngram last": ngram(k, args.lookup_min, args.lookup_max, "last"),
+             "suffix": dict(method="suffix", num_speculative_tokens=k)}
     if args.draft_layers:
         specs[f"self-draft L{args.draft_layers}"] = dict(
             method="draft_model", num_speculative_tokens=k, draft_num_layers=args.draft_layers)

@@ -8,7 +8,8 @@ token ids:
 - n-gram speculative decoding with the article's config (k=3, prompt_lookup 3..5) on
   ``bench spec``'s prompts (input-grounded and open, 2 prompts one at a time and 8 at once, up to
   ``--max-tokens``, stopping at EOS): tokens/s and vLLM's counters (drafts, draft tokens,
-  accepted, per-position acceptance, mean acceptance length ``1 + accepted / drafts``).
+  accepted, per-position acceptance, mean acceptance length ``1 + accepted / drafts``); the
+  same for suffix decoding (k=3, vLLM's defaults) on ``bench spec``'s repeated workload.
 
 The throughput table also has Hugging Face ``generate()`` (one left-padded batch for the 32
 requests, counting only the tokens each asked for, as ``bench throughput``; ``--no-hf`` drops it)
@@ -40,12 +41,13 @@ from typing import Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 3,
          "prompt_lookup_max": 5}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 3}   # vLLM's suffix_decoding_* defaults
 METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
            "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
 
 
 # ---------------------------------------------------------------------------------------------
-# One cell, in either engine. ``cell``: {"engine", "kind": "throughput"|"spec", "dtype",
+# One cell, in either engine. ``cell``: {"engine", "kind": "throughput"|"spec"|"suffix", "dtype",
 # "model", "workloads": {name: [[prompt ids], [max_tokens], ignore_eos]}}.
 
 def _counters(llm) -> dict:
@@ -86,7 +88,7 @@ def run_hf_cell(cell: dict) -> dict:
 
 
 def run_cell(cell: dict) -> dict:
-    spec = NGRAM if cell["kind"] == "spec" else None
+    spec = {"spec": NGRAM, "suffix": SUFFIX}.get(cell["kind"])
     if cell["engine"] == "hf":
         return run_hf_cell(cell)
     if cell["engine"].startswith("vllm"):
@@ -211,14 +213,15 @@ def _workloads(tok, kind: str, max_tokens: int) -> dict:
         return {name: ([tok.encode(p) for p, _ in work], [n for _, n in work], True)
                 for name, work in (("1 request:1", single),
                                    ("32 requests, mixed", make_workload(32)))}
-    from minivllm.bench.spec import GROUNDED, OPEN
+    from minivllm.bench.spec import GROUNDED, OPEN, REPEATED
 
     def chat(text):
         return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}],
                                                   tokenize=False, add_generation_prompt=True),
                           add_special_tokens=False)
-    texts = GROUNDED if kind == "grounded" else OPEN
-    return {f"{kind}:1": ([chat(t) for t in texts[:2]], [max_tokens] * 2, False),
+    texts = {"grounded": GROUNDED, "open": OPEN, "repeated": REPEATED}[kind]
+    first = 4 if kind == "repeated" else 2   # one after another: later ones reuse earlier outputs
+    return {f"{kind}:1": ([chat(t) for t in texts[:first]], [max_tokens] * first, False),
             f"{kind}:8": ([chat(t) for t in texts[:8]], [max_tokens] * 8, False)}
 
 
@@ -283,12 +286,13 @@ def main(argv=None) -> None:
     if not args.no_throughput:
         cells += [("throughput", d) for d in args.dtypes.split(",")]
     if not args.no_spec:
-        cells += [("grounded", "float32"), ("open", "float32")]
+        cells += [("grounded", "float32"), ("open", "float32"), ("repeated", "float32")]
     extra = ([] if args.no_hf else ["hf"]) + (["vllm_compiled"] if args.vllm_compiled else [])
     results: dict = {}
     for engine, kind, dtype in tqdm(plan_jobs(cells, extra, args.rounds),
                                     desc="cells (one process each)", dynamic_ncols=True):
-        cell = {"engine": engine, "kind": "throughput" if kind == "throughput" else "spec",
+        cell = {"engine": engine,
+                "kind": {"throughput": kind, "repeated": "suffix"}.get(kind, "spec"),
                 "dtype": dtype, "model": path,
                 "workloads": _workloads(tok, kind, args.max_tokens)}
         keep_fastest(results.setdefault((engine, kind, dtype), {}),
@@ -321,7 +325,10 @@ def main(argv=None) -> None:
               f"{args.max_tokens} tokens (EOS stops)")
         print(f"{'prompts':<9}{'batch':>6}  {'engine':<9}{'tok/s':>8}{'drafts':>8}{'drafted':>8}"
               f"{'accepted':>9}  {'acc per pos':<15}{'acc len':>8}")
-        for kind in ("grounded", "open"):
+        for kind in ("grounded", "open", "repeated"):
+            if kind == "repeated":
+                print(f"suffix, k={SUFFIX['num_speculative_tokens']}, vLLM's defaults, the same "
+                      "edit on similar code (bench spec's repeated workload)")
             for name in results[("minivllm", kind, "float32")]:
                 for engine in ("minivllm", "vllm"):
                     print(_spec_row(engine, name, results[(engine, kind, "float32")][name]))

@@ -2,6 +2,7 @@
 
 - ``spec.py``: notebook 04 (residual distribution, last-match n-gram, blocks to allocate,
   spec-decode logits indices);
+- ``suffix.py``: notebook 04's exercise 5 (walk a suffix tree greedily by frequency);
 - ``pd.py``: notebook 07 (which prompt tokens the decode instance loads and which it recomputes;
   the scheduler half of an in-memory KV connector);
 - ``grade.py``: ``python -m minivllm.exercises grade NB.ipynb [...] [--csv FILE]`` runs each
@@ -15,6 +16,7 @@ from minivllm.exercises.spec import (ExerciseCheckError, _residual_reference_fre
                                      check_num_blocks_to_allocate, check_propose_last_match,
                                      check_residual_distribution, check_spec_decode_logits_indices,
                                      reference_spec_decode_logits_indices)
+from minivllm.exercises.suffix import check_walk_suffix_tree
 
 CHECKS = {
     "residual_distribution": check_residual_distribution,
@@ -23,10 +25,11 @@ CHECKS = {
     "spec_decode_logits_indices": check_spec_decode_logits_indices,
     "decode_load_plan": check_decode_load_plan,
     "MyKVConnector": check_kv_connector,
+    "walk_suffix_tree": check_walk_suffix_tree,
 }
 
 __all__ = ["CHECKS", "ExerciseCheckError", "InMemoryConnector", "InMemoryConnectorMetadata",
            "check_decode_load_plan", "check_kv_connector", "check_num_blocks_to_allocate",
            "check_propose_last_match", "check_residual_distribution",
-           "check_spec_decode_logits_indices", "reference_decode_load_plan",
+           "check_spec_decode_logits_indices", "check_walk_suffix_tree", "reference_decode_load_plan",
            "reference_spec_decode_logits_indices", "_residual_reference_frequencies"]

@@ -22,6 +22,7 @@ DRAFTERS = {
     "eagle": "minivllm.spec_decode.eagle.EagleProposer",       # heads: models/llama_eagle.py
     "eagle3": "minivllm.spec_decode.eagle.EagleProposer",      # heads: models/llama_eagle3.py
     "medusa": "minivllm.spec_decode.medusa.MedusaProposer",    # heads: models/medusa.py
+    "suffix": "minivllm.spec_decode.suffix_decoding.SuffixDecodingProposer",
 }
 
 

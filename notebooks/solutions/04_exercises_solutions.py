@@ -57,3 +57,20 @@ if __name__ == "__main__":
     exercises.check_propose_last_match(propose_last_match)
     exercises.check_num_blocks_to_allocate(num_blocks_to_allocate)
     exercises.check_spec_decode_logits_indices(spec_decode_logits_indices)
+
+
+def walk_suffix_tree(node, max_tokens, min_token_prob):
+    tokens, probs, prob = [], [], 1.0
+    while len(tokens) < max_tokens and node["children"]:
+        token, child = node["children"][0]      # the most frequent child comes first
+        prob *= child["count"] / node["count"]
+        if prob < min_token_prob:
+            break
+        tokens.append(token)
+        probs.append(prob)
+        node = child
+    return tokens, probs
+
+
+if __name__ == "__main__":
+    exercises.check_walk_suffix_tree(walk_suffix_tree)

@@ -30,8 +30,41 @@ warm_cache() {
         || echo "warning: vLLM's model-info cache was not filled; the first engine starts fill it"
 }
 
+# Snowflake's arctic-inference, whose C++ suffix tree vLLM's method "suffix" calls
+# (vllm/v1/spec_decode/suffix_decoding.py imports it lazily). PyPI has 0.3.0 as an sdist only, and
+# its default build would pull a CUDA torch; its suffix-tree extension is plain C++ (CMake,
+# nanobind). So: its build tools into this venv, the venv ACTIVATED (CMake finds Python on PATH),
+# and a build against the CPU torch already here. Idempotent; prints how long it took.
+ARCTIC="arctic-inference==0.3.0"
+install_arctic() {
+    if "$VENV/bin/python" -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
+        echo "$ARCTIC already in $VENV (0 s)"
+        return
+    fi
+    local t0
+    t0=$(date +%s)
+    command -v cmake >/dev/null || { echo "error: building $ARCTIC needs cmake on PATH" >&2; exit 1; }
+    (
+        # shellcheck disable=SC1091
+        . "$VENV/bin/activate"
+        # The build's protobuf 5.29.6 is too old for the gencode vLLM's own dependencies import
+        # (google.rpc: 6.33.5), so vLLM's protobuf comes back after the build, and grpcio-tools
+        # (a build tool only, which pins protobuf < 6) goes.
+        local protobuf
+        protobuf=$(python -c "import importlib.metadata as m; print(m.version('protobuf'))")
+        pip install -q nanobind==2.9.2 setuptools wheel ninja protobuf==5.29.6 grpcio-tools numpy
+        pip install -q --no-build-isolation --no-deps "$ARCTIC"
+        pip uninstall -q -y grpcio-tools
+        pip install -q "protobuf==$protobuf"
+        python -c "from arctic_inference.suffix_decoding import SuffixDecodingCache as C; C(24, 100)"
+        python -c "import vllm.tracing"     # vLLM still imports (its protobuf is back)
+    )
+    echo "$ARCTIC built into $VENV in $(( $(date +%s) - t0 )) s"
+}
+
 if [ -f "$READY" ] && [ "$(cat "$READY")" = "$STAMP" ] && [ -x "$VENV/bin/vllm" ]; then
     echo "vLLM $VERSION venv already set up at $VENV (0 s)"
+    install_arctic
     warm_cache
     exit 0
 fi
@@ -87,5 +120,6 @@ SHIM
 chmod +x "$VENV/bin/vllm"
 "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
 echo "$STAMP" > "$READY"
+install_arctic
 warm_cache
 echo "vLLM $VERSION venv set up at $VENV in $(( $(date +%s) - start )) s"

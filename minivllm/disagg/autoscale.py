@@ -90,7 +90,7 @@ def decide(metrics: dict[str, dict[str, float]], current: dict[str, int], target
 
     metrics: ``{"prefill": {"waiting_prompt_tokens": ..., ...}, "decode": {"running_requests": ...,
     "kv_cache_usage": ...}}``, each summed over the role's replicas (KV usage: their mean).
-    current: ``{"prefill": n, "decode": m}``, the replicas now. state: the previous ``Decision.state``
+    current: ``{"prefill": n, "decode": m}``, the counts decided so far (Serve's targets). state: the previous ``Decision.state``
     (when each role's current wish began). Returns the counts to run now and the reason.
     """
     now = time.time() if now is None else now
@@ -151,11 +151,14 @@ class FleetAutoscalingPolicy:
             return {}, {}
         metrics = {role: role_metrics(role, ctx.aggregated_metrics or {})
                    for role, (_, ctx) in by_role.items()}
-        current = {role: ctx.current_num_replicas for role, (_, ctx) in by_role.items()}
-        d = decide(metrics, current, self.targets, self.state)
+        # Decide against the current *target*: a replica being started counts, or the next tick
+        # would cancel it before it serves.
+        target = {role: ctx.target_num_replicas for role, (_, ctx) in by_role.items()}
+        running = {role: ctx.current_num_replicas for role, (_, ctx) in by_role.items()}
+        d = decide(metrics, target, self.targets, self.state)
         self.state = d.state
         self._report({"time": time.time(), "prefill": d.num_prefill, "decode": d.num_decode,
-                      "current": current, "metrics": metrics, "reason": d.reason})
+                      "running": running, "metrics": metrics, "reason": d.reason})
         return ({by_role["prefill"][0]: d.num_prefill, by_role["decode"][0]: d.num_decode}, {})
 
     def _report(self, record: dict) -> None:

@@ -242,4 +242,24 @@ def ingress_app(config: dict):
     @app.on_event("startup")
     async def start_pruning():
         app.state.pruner = asyncio.get_running_loop().create_task(prune_forever())
-    return app
+    return _OneRequestId(app)
+
+
+class _OneRequestId:
+    """Serve's HTTP proxy already puts ``X-Request-Id`` on the request (the client's, else a new
+    one, which the proxy's stages then carry) and on the answer; the proxy's copy of the header
+    is dropped here so the client sees it once."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def __getattr__(self, name: str) -> Any:      # FastAPI attributes Serve looks at
+        return getattr(self.app, name)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        async def send_once(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = dict(message, headers=[(k, v) for k, v in message.get("headers", [])
+                                                 if k.lower() != b"x-request-id"])
+            await send(message)
+        await self.app(scope, receive, send_once if scope["type"] == "http" else send)

@@ -151,9 +151,14 @@ def test_each_role_scales_under_its_own_load_and_back(fleet, role):
 
 def test_killed_decode_replica(fleet):
     _wait(fleet, lambda v: v["decode"]["replicas"] == 1, 60)
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if "#decode#" in a["name"]]
-    assert len(names) == 1
+    deadline = time.monotonic() + 40          # a replica stopped by the scale-down may still drain
+    while True:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if "#decode#" in a["name"]]
+        if len(names) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    assert len(names) == 1, names
     body = {"model": fleet.config.model, "prompt": "hi", "max_tokens": 400, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", fleet.url + "/v1/completions", json=body, headers=AUTH,
@@ -162,12 +167,19 @@ def test_killed_decode_replica(fleet):
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert "choices" in first
+        killed = time.time()
         ray.kill(ray.get_actor(names[0], namespace="serve"))
         rest = [line[6:] for line in lines if line.startswith("data: ")]
     # a clean end: either an OpenAI error event then [DONE], or the answer completed
     assert rest[-1] == "[DONE]"
-    # Serve brings a decode replica back; the fleet serves again; nothing stays held.
-    _wait(fleet, lambda v: v["decode"]["replicas"] == 1 and v["prefill"]["replicas"] == 1, 90)
+    # The dead replica leaves the pools; Serve starts another, which serves.
+    deadline = time.monotonic() + 90
+    while not [e for e in fleet.records()["events"] if e["role"] == "decode"
+               and e["event"] == "serving" and e["time"] > killed]:
+        assert time.monotonic() < deadline, fleet.records()["events"]
+        time.sleep(0.25)
+    assert any(e["event"] == "lost" for e in fleet.records()["events"])
+    _wait(fleet, lambda v: v["decode"]["replicas"] == 1 and v["prefill"]["replicas"] == 1, 30)
     assert _complete(fleet, "after the fault", 4)["choices"][0]["text"] is not None
     v = _wait(fleet, lambda v: v["decode"]["metrics"].get("kv_cache_usage", 1) == 0
               and v["prefill"]["metrics"].get("kv_cache_usage", 1) == 0, 30)

@@ -123,6 +123,7 @@ def test_each_role_scales_under_its_own_load_and_back(fleet, role):
     stop, errors, other_max = threading.Event(), [], 1
     threads = [threading.Thread(target=_load_until, args=(fleet, stop, errors, prompt, max_tokens))
                for _ in range(clients)]
+    t_burst = time.time()
     for t in threads:
         t.start()
     try:
@@ -147,6 +148,13 @@ def test_each_role_scales_under_its_own_load_and_back(fleet, role):
                and e["role"] == role]:
         assert time.monotonic() < deadline, fleet.records()["events"]
         time.sleep(0.25)
+    rec = fleet.records()
+    decided = min(d["time"] for d in rec["decisions"] if d[role] == 2 and d["time"] > t_burst)
+    serving = min(e["time"] for e in rec["events"] if e["role"] == role
+                  and e["event"] == "serving" and e["time"] > t_burst)
+    drain = [e["drain_s"] for e in rec["events"] if e["role"] == role and e["event"] == "drained"]
+    print(f"\nFLEET {role}: burst -> decision {decided - t_burst:.1f} s, -> new replica serving "
+          f"{serving - t_burst:.1f} s; drain {drain[-1]:.1f} s")
 
 
 def test_killed_decode_replica(fleet):

@@ -89,3 +89,16 @@ def test_importing_minivllm_does_not_import_ray():
     code = "import sys, minivllm; from minivllm import LLM; print('ray' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "False", r.stderr
+
+
+def test_shared_storage_is_refused_where_the_folder_is_not_seen(tmp_path):
+    from minivllm.disagg.fleet_replicas import MARKER, kv_transfer_config
+    config = {"kv_connector": "SharedStorageConnector", "shared_storage_path": str(tmp_path)}
+    with pytest.raises(RuntimeError, match="does not see the fleet's folder"):
+        kv_transfer_config("decode", config, "10.0.0.2")
+    (tmp_path / MARKER).touch()                  # what the fleet command writes where it runs
+    kv = kv_transfer_config("decode", config, "10.0.0.2")
+    assert kv["kv_role"] == "kv_consumer"
+    assert kv["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path)
+    zmq = kv_transfer_config("prefill", {"kv_connector": "ZmqPullConnector"}, "10.0.0.1")
+    assert zmq["kv_connector_extra_config"]["side_channel_host"] == "10.0.0.1"

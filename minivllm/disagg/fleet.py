@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import secrets
 import signal
@@ -171,7 +172,11 @@ def start_fleet(config: FleetConfig, targets: FleetTargets = FleetTargets(), por
         open(os.path.join(config.shared_storage_path, MARKER), "w").close()
     fleet._started_ray = not ray.is_initialized() and address is None
     if not ray.is_initialized():
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        # A local Ray gets enough logical CPUs for every role at its max (Ray's CPUs are only
+        # bookkeeping; each replica's torch threads still come from its own num_cpus).
+        need = (targets.prefill_max + targets.decode_max) * config.replica_num_cpus
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
+                 num_cpus=None if address else max(os.cpu_count() or 1, math.ceil(need)))
     try:
         resources = ray.cluster_resources()
         config.by_role = config.by_role and all(r in resources for r in ROLES)
@@ -281,8 +286,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         fleet = start_fleet(config, targets, port=args.port, host=args.host,
                             address=args.address, startup_timeout=args.startup_timeout)
+        signal.signal(signal.SIGTERM, on_signal)     # ray.init installed its own: ours again
         print(f"fleet: {fleet.url}   (GET {fleet.url}/fleet)")
-        print("FLEET " + json.dumps(fleet.view()), flush=True)
+        view = fleet.view()
+        view["decisions"] = view["decisions"][-1:]
+        print("FLEET " + json.dumps(view), flush=True)
         while not stop["now"]:
             time.sleep(0.5)
     except KeyboardInterrupt:

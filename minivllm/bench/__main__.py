@@ -1,4 +1,4 @@
-"""``python -m minivllm.bench {throughput,spec,pd,gpu,serve,profile,roofline,vllm} [options]
+"""``python -m minivllm.bench {throughput,spec,pd,gpu,serve,profile,roofline,vllm,fleet} [options]
 [--markdown[=SECTION]]``: benchmarks that print side-by-side tables; ``--markdown`` also writes
 them into RESULTS.md.
 
@@ -13,7 +13,8 @@ import sys
 BENCHMARKS = {"throughput": "minivllm.bench.throughput", "spec": "minivllm.bench.spec",
               "pd": "minivllm.bench.pd", "gpu": "minivllm.bench.gpu",
               "serve": "minivllm.bench.serve", "profile": "minivllm.bench.profile",
-              "roofline": "minivllm.bench.roofline", "vllm": "minivllm.bench.vllm"}
+              "roofline": "minivllm.bench.roofline", "vllm": "minivllm.bench.vllm",
+              "fleet": "minivllm.bench.fleet"}
 
 
 def main() -> None:

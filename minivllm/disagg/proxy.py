@@ -69,9 +69,16 @@ class RoundRobin:
         self.instances = [Instance(u.rstrip("/")) for u in urls]
         self._next = 0
 
+    def update(self, urls: list[str]) -> None:
+        """A new membership (the fleet's replicas come and go); known instances keep their marks."""
+        known = {i.url: i for i in self.instances}
+        self.instances = [known.get(u.rstrip("/")) or Instance(u.rstrip("/")) for u in urls]
+
     def order(self) -> list[Instance]:
         """Every instance once, starting at the next in turn, the ones marked down last."""
         n = len(self.instances)
+        if n == 0:
+            return []
         start, self._next = self._next, (self._next + 1) % n
         ring = [self.instances[(start + i) % n] for i in range(n)]
         now = time.monotonic()
@@ -85,8 +92,10 @@ def _error(message: str, code: int) -> Response:
 class DisaggProxy:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str],
                  prefill_timeout: float = 120.0, down_seconds: float = 5.0,
-                 backend_api_key: Optional[str] = None, backend_ca: Optional[str] = None) -> None:
-        if not prefill_urls or not decode_urls:
+                 backend_api_key: Optional[str] = None, backend_ca: Optional[str] = None,
+                 dynamic: bool = False) -> None:
+        # ``dynamic``: the pools start empty and ``refresh`` fills them (the fleet's ingress).
+        if not dynamic and (not prefill_urls or not decode_urls):
             raise ValueError("the proxy needs at least one --prefill and one --decode URL.")
         self.prefill = RoundRobin(prefill_urls)
         self.decode = RoundRobin(decode_urls)
@@ -101,6 +110,10 @@ class DisaggProxy:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), verify=verify,
                                         limits=httpx.Limits(max_connections=None))
 
+    async def refresh(self) -> None:
+        """Called before every request: a hook for pools whose membership changes (the fleet's
+        ingress, disagg/fleet.py, reads its replicas here). A fixed proxy has nothing to do."""
+
     async def _prefill_stage(self, path: str, body: dict, request_id: str, record: dict):
         """Returns (kv_transfer_params or None, a client-error response to pass back or None)."""
         pbody = dict(body, max_tokens=1, stream=False,
@@ -109,8 +122,9 @@ class DisaggProxy:
             pbody["max_completion_tokens"] = 1
         for key in ("stream_options", "min_tokens"):
             pbody.pop(key, None)
-        inst = self.prefill.order()[0]
-        if inst.down_until > time.monotonic():       # every prefill instance is down
+        ring = self.prefill.order()
+        inst = ring[0] if ring else None
+        if inst is None or inst.down_until > time.monotonic():   # none, or every one is down
             record["prefill_error"] = "all prefill instances down"
             return None, None
         record["prefill"] = inst.url
@@ -137,6 +151,7 @@ class DisaggProxy:
         except Exception:                             # noqa: BLE001
             return _error("the request body must be a JSON object.", 400)
         request_id = raw.headers.get("X-Request-Id") or uuid.uuid4().hex
+        await self.refresh()
         record = {"request_id": request_id, "path": path, "prefill": None, "prefill_s": None,
                   "prefill_error": None, "decode": None, "kv_transfer_params": None}
         self.records.append(record)
@@ -180,6 +195,9 @@ class DisaggProxy:
                 return (await self.client.get(inst.url + "/health", timeout=5.0)).status_code == 200
             except httpx.HTTPError:
                 return False
+        await self.refresh()
+        if not self.prefill.instances or not self.decode.instances:
+            return _error("no prefill or no decode instance yet.", 503)
         insts = self.prefill.instances + self.decode.instances
         states = await asyncio.gather(*(ok(i) for i in insts))
         down = [i.url for i, s in zip(insts, states) if not s]
@@ -200,7 +218,8 @@ async def _relay(resp: httpx.Response) -> AsyncIterator[bytes]:
         await resp.aclose()                     # also tells the decode instance to abort
 
 
-def build_app(proxy: DisaggProxy, api_keys: tuple[str, ...] = ()) -> FastAPI:
+def build_app(proxy: DisaggProxy, api_keys: tuple[str, ...] = (),
+              guarded: tuple[str, ...] = ("/v1", "/proxy")) -> FastAPI:
     app = FastAPI(title="minivllm P/D proxy")
     install_error_handlers(app)
     faults = dict(server_fault="never from the proxy itself; a decode instance's 5xx is retried "
@@ -221,6 +240,7 @@ def build_app(proxy: DisaggProxy, api_keys: tuple[str, ...] = ()) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
+        await proxy.refresh()
         for inst in proxy.decode.order():
             try:
                 r = await proxy.client.get(inst.url + "/v1/models", timeout=5.0,
@@ -242,7 +262,7 @@ def build_app(proxy: DisaggProxy, api_keys: tuple[str, ...] = ()) -> FastAPI:
         return list(proxy.records)
 
     without_422(app)
-    install_api_key(app, api_keys, prefixes=("/v1", "/proxy"))   # /proxy/requests names blocks
+    install_api_key(app, api_keys, prefixes=guarded)   # /proxy/requests names blocks
     return app
 
 

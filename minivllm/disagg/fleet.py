@@ -1,0 +1,305 @@
+"""``python -m minivllm.disagg.fleet``: P/D as the article says it runs in practice, "N vLLM prefill
+instances and M vLLM decode instances, autoscaling them based on the live request mix", as one
+Ray Serve application.
+
+    python -m minivllm.disagg.fleet --prefill 1:3 --decode 1:3 --kv-connector ZmqPullConnector \\
+        --port 8004 [--address auto|HOST:PORT] [--secure] [--model M]
+
+- Two deployments, ``prefill`` and ``decode`` (fleet_replicas.EngineReplica): each replica one
+  ``AsyncLLM`` engine with its role's ``KVTransferConfig``, placed on a node that carries the
+  role's custom resource (``ray start --resources='{"prefill": 1}'``) when the cluster has one.
+- The ingress (fleet_replicas.ingress_app): the P/D proxy's two stages (disagg/proxy.py, the same
+  code), the OpenAI endpoints, ``--api-key``, ``GET /fleet``.
+- One application-level autoscaling policy sizes both roles together from the load each replica
+  reports (disagg/autoscale.py). Ray Serve takes it only from an application *config*
+  (``autoscaling_policy`` in ``ServeApplicationSchema``), so the fleet deploys itself as a config
+  whose ``import_path`` is ``fleet_app`` below.
+
+``MIN:MAX`` per role; one number is a fixed count. Without ``--address`` a local Ray instance is
+started (and stopped at exit); with it the fleet joins a running cluster and, at exit, deletes only
+its own application (and Serve, when it started Serve). Ctrl-C or SIGTERM stops the fleet.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import secrets
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from minivllm.disagg.autoscale import FleetTargets
+from minivllm.disagg.fleet_replicas import MARKER, NAMESPACE, ROLES
+
+APP = "minivllm-fleet"
+CONNECTORS = ("ZmqPullConnector", "RedisStoreConnector", "SharedStorageConnector")
+INSTALL = 'the fleet runs on Ray Serve, which is not installed: pip install "minivllm[fleet]"'
+POLICY = "minivllm.disagg.autoscale:FleetAutoscalingPolicy"
+
+
+@dataclass
+class FleetConfig:
+    """Everything a replica needs (sent to every node as the application's ``args``)."""
+    model: str
+    kv_connector: str = "ZmqPullConnector"
+    seed: int = 0
+    server_args: list = field(default_factory=list)    # extra ``minivllm serve`` flags
+    replica_num_cpus: float = 1.0      # Ray's logical CPUs per engine replica = its torch threads
+    by_role: bool = True               # place replicas by the nodes' ``prefill``/``decode`` resource
+    node_ip: bool = True               # bind the node's address (False: 127.0.0.1, one machine)
+    api_keys: list = field(default_factory=list)       # the ingress's clients' keys
+    backend_api_key: Optional[str] = None              # the ingress's key for the replicas
+    kv_store_url: Optional[str] = None
+    shared_storage_path: Optional[str] = None
+    kv_extra_config: dict = field(default_factory=dict)
+    metrics_interval_s: float = 0.5
+    look_back_period_s: float = 1.0
+    refresh_s: float = 0.25            # how stale the ingress's view of the replicas may be
+    drain_timeout_s: float = 60.0      # a replica's drain at most (then Serve stops it anyway)
+    state_actor: str = ""
+
+
+def fleet_app(args: dict):
+    """The application builder Serve imports from the config (``import_path``)."""
+    from ray import serve
+
+    from minivllm.disagg.fleet_replicas import EngineReplica, ingress_app
+    config, targets = args["config"], FleetTargets(**args["targets"])
+    replicas = []
+    for role in ROLES:
+        lo, hi = getattr(targets, f"{role}_min"), getattr(targets, f"{role}_max")
+        actor = {"num_cpus": config["replica_num_cpus"]}
+        if config["by_role"]:
+            actor["resources"] = {role: 0.001}
+        replicas.append(serve.deployment(
+            EngineReplica, name=role, ray_actor_options=actor, max_ongoing_requests=1000,
+            # Serve's own delays are 0: the policy applies the fleet's (autoscale.decide).
+            autoscaling_config={"min_replicas": lo, "max_replicas": hi, "initial_replicas": lo,
+                                "metrics_interval_s": config["metrics_interval_s"],
+                                "look_back_period_s": config["look_back_period_s"],
+                                "upscale_delay_s": 0.0, "downscale_delay_s": 0.0},
+            graceful_shutdown_timeout_s=config["drain_timeout_s"] + 10,
+            graceful_shutdown_wait_loop_s=0.5).bind(role, config))
+
+    def build():     # evaluated on the ingress replica (serve.ingress takes a builder)
+        return ingress_app(config)
+
+    class FleetIngress:
+        def __init__(self, *_replicas: Any) -> None:   # bound so that they belong to the app
+            pass
+    ingress = serve.deployment(serve.ingress(build)(FleetIngress), name="ingress",
+                               num_replicas=1, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(*replicas)
+
+
+@dataclass
+class Fleet:
+    """A running fleet: ``url`` (the ingress), ``stop()`` stops what ``start_fleet`` started."""
+    url: str
+    config: FleetConfig
+    targets: FleetTargets
+    api_key: Optional[str] = None
+    _started_ray: bool = False
+    _started_serve: bool = False
+    _state: Any = None
+    _owned_dirs: list = field(default_factory=list)
+
+    def view(self) -> dict:
+        import ray
+        return ray.get(self._state.view.remote())
+
+    def records(self) -> dict:
+        import ray
+        return ray.get(self._state.records.remote())
+
+    def stop(self) -> None:
+        import shutil
+
+        import ray
+        from ray import serve
+        if not ray.is_initialized():
+            return
+        try:
+            serve.delete(APP)                 # every replica drains (EngineReplica.__del__)
+            if self._started_serve:
+                serve.shutdown()
+            ray.kill(self._state)
+        finally:
+            if self._started_ray:
+                ray.shutdown()
+            for d in self._owned_dirs:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = str(text).partition(":")
+    try:
+        bounds = (int(lo), int(hi or lo))
+    except ValueError:
+        raise ValueError(f"a role's size is MIN:MAX or N, got {text!r}.") from None
+    if not 0 <= bounds[0] <= bounds[1] or bounds[1] < 1:
+        raise ValueError(f"need 0 <= MIN <= MAX and MAX >= 1, got {text!r}.")
+    return bounds
+
+
+def start_fleet(config: FleetConfig, targets: FleetTargets = FleetTargets(), port: int = 0,
+                host: str = "127.0.0.1", address: Optional[str] = None,
+                startup_timeout: float = 300.0) -> Fleet:
+    """Start (or join, ``address``) Ray, start Serve, deploy the fleet, wait until it answers."""
+    import httpx
+    import ray
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    from minivllm.disagg.launch import free_port
+    if config.kv_connector not in CONNECTORS:
+        raise ValueError(f"kv_connector must be one of {CONNECTORS}, got {config.kv_connector!r}.")
+    if config.kv_connector == "RedisStoreConnector" and not config.kv_store_url:
+        raise ValueError("RedisStoreConnector in a fleet needs --kv-store-url redis://HOST:PORT, "
+                         "a store every node reaches (python -m minivllm.kvstore --host ...).")
+    fleet = Fleet("", config, targets)
+    if config.kv_connector == "SharedStorageConnector" and not config.shared_storage_path:
+        config.shared_storage_path = tempfile.mkdtemp(prefix="minivllm-fleet-kv-")
+        fleet._owned_dirs.append(config.shared_storage_path)
+    if config.shared_storage_path:      # a node that cannot see this file refuses to start
+        open(os.path.join(config.shared_storage_path, MARKER), "w").close()
+    fleet._started_ray = not ray.is_initialized() and address is None
+    if not ray.is_initialized():
+        # A local Ray gets enough logical CPUs for every role at its max (Ray's CPUs are only
+        # bookkeeping; each replica's torch threads still come from its own num_cpus).
+        need = (targets.prefill_max + targets.decode_max) * config.replica_num_cpus
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
+                 num_cpus=None if address else max(os.cpu_count() or 1, math.ceil(need)))
+    try:
+        resources = ray.cluster_resources()
+        config.by_role = config.by_role and all(r in resources for r in ROLES)
+        config.state_actor = config.state_actor or f"fleet-state-{uuid.uuid4().hex[:8]}"
+        bounds = {r: [getattr(targets, f"{r}_min"), getattr(targets, f"{r}_max")] for r in ROLES}
+        from minivllm.disagg.fleet_replicas import FleetState
+        fleet._state = ray.remote(FleetState).options(
+            name=config.state_actor, namespace=NAMESPACE, num_cpus=0).remote(bounds)
+        try:
+            _get_global_client(raise_if_no_controller_running=True)
+        except Exception:                                  # noqa: BLE001  no Serve yet
+            fleet._started_serve = True
+        port = port or free_port(host)
+        serve.start(http_options={"host": host, "port": port})
+        policy = {"policy_function": POLICY, "policy_kwargs": {
+            **asdict(targets), "state_actor": config.state_actor, "namespace": NAMESPACE}}
+        app = {"name": APP, "route_prefix": "/", "import_path": "minivllm.disagg.fleet:fleet_app",
+               "args": {"config": asdict(config), "targets": asdict(targets)},
+               "autoscaling_policy": policy}
+        _get_global_client().deploy_apps(ServeDeploySchema(applications=[app]))
+        fleet.url = f"http://{host}:{port}"
+        fleet.api_key = config.api_keys[0] if config.api_keys else None
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            try:
+                if httpx.get(fleet.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            status = serve.status().applications.get(APP)
+            if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+                raise RuntimeError(f"the fleet did not start: {status.message}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the fleet did not answer /health within {startup_timeout} s")
+            time.sleep(0.5)
+    except BaseException:
+        fleet.stop()
+        raise
+    return fleet
+
+
+def _parser() -> argparse.ArgumentParser:
+    from minivllm.entrypoints.openai.api_server import DEFAULT_MODEL
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = FleetTargets()
+    ap.add_argument("--prefill", default="1:3", help="prefill replicas, MIN:MAX or N")
+    ap.add_argument("--decode", default="1:3", help="decode replicas, MIN:MAX or N")
+    ap.add_argument("--kv-connector", default="ZmqPullConnector", choices=CONNECTORS)
+    ap.add_argument("--port", type=int, default=8000, help="the ingress's port (Serve's HTTP)")
+    ap.add_argument("--host", default="127.0.0.1", help="the address the ingress binds")
+    ap.add_argument("--address", default=None,
+                    help="join this Ray cluster (auto or HOST:PORT); default: a local Ray")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replica-num-cpus", type=float, default=1.0,
+                    help="Ray CPUs per engine replica; also its torch threads")
+    ap.add_argument("--server-args", default="", help="extra flags for every engine replica")
+    ap.add_argument("--api-key", nargs="+", default=None,
+                    help="clients must send it (default: $VLLM_API_KEY, $MINIVLLM_API_KEY)")
+    ap.add_argument("--secure", action="store_true",
+                    help="the replicas require a random key that only the ingress holds")
+    ap.add_argument("--kv-store-url", default=None, help="RedisStoreConnector: the store's URL")
+    ap.add_argument("--shared-storage-path", default=None,
+                    help="SharedStorageConnector: a folder every node mounts")
+    ap.add_argument("--prefill-target-queued-tokens", type=int,
+                    default=d.prefill_target_queued_tokens)
+    ap.add_argument("--decode-target-running", type=int, default=d.decode_target_running)
+    ap.add_argument("--decode-target-kv-usage", type=float, default=d.decode_target_kv_usage)
+    ap.add_argument("--upscale-delay-s", type=float, default=d.upscale_delay_s)
+    ap.add_argument("--downscale-delay-s", type=float, default=d.downscale_delay_s)
+    ap.add_argument("--startup-timeout", type=float, default=300.0)
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ImportError:
+        print(INSTALL, file=sys.stderr)
+        sys.exit(2)
+    from minivllm.entrypoints.openai.auth import api_keys_from
+    ap = _parser()
+    args = ap.parse_args(argv)
+    try:
+        (p_lo, p_hi), (d_lo, d_hi) = parse_range(args.prefill), parse_range(args.decode)
+        targets = FleetTargets(p_lo, p_hi, d_lo, d_hi, args.prefill_target_queued_tokens,
+                               args.decode_target_running, args.decode_target_kv_usage,
+                               args.upscale_delay_s, args.downscale_delay_s)
+    except ValueError as e:
+        ap.error(str(e))
+    config = FleetConfig(model=args.model, kv_connector=args.kv_connector, seed=args.seed,
+                         server_args=args.server_args.split(),
+                         replica_num_cpus=args.replica_num_cpus,
+                         api_keys=api_keys_from(args.api_key),
+                         backend_api_key=secrets.token_urlsafe(24) if args.secure else None,
+                         kv_store_url=args.kv_store_url,
+                         shared_storage_path=args.shared_storage_path)
+    stop = {"now": False}
+
+    def on_signal(signum, _frame):
+        stop["now"] = True
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_signal)
+    fleet = None
+    try:
+        fleet = start_fleet(config, targets, port=args.port, host=args.host,
+                            address=args.address, startup_timeout=args.startup_timeout)
+        signal.signal(signal.SIGTERM, on_signal)     # ray.init installed its own: ours again
+        print(f"fleet: {fleet.url}   (GET {fleet.url}/fleet)")
+        view = fleet.view()
+        view["decisions"] = view["decisions"][-1:]
+        print("FLEET " + json.dumps(view), flush=True)
+        while not stop["now"]:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if fleet is not None:
+            fleet.stop()
+            print("stopped the fleet", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""The P/D fleet on a real two-node Ray cluster (``ray.cluster_utils.Cluster``): one node carries
+the ``prefill`` resource, the other ``decode``; a tiny random model with SmolLM2's tokenizer.
+
+One module-scoped fleet serves every test here (starting Ray, Serve and four engines costs most
+of the time); each test leaves it idle at its minimum for the next.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.serve")
+
+from minivllm.disagg.autoscale import FleetTargets  # noqa: E402
+from minivllm.disagg.fleet import FleetConfig, start_fleet  # noqa: E402
+
+KEY = "fleet-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_chat_dir):
+    from ray.cluster_utils import Cluster
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 4, "resources": {"prefill": 1}})
+    cluster.add_node(num_cpus=4, resources={"decode": 1})
+    ray.init(address=cluster.address, log_to_driver=False)
+    f = None
+    try:
+        assert len(ray.nodes()) == 2
+        config = FleetConfig(model=tiny_chat_dir, replica_num_cpus=1, node_ip=False,
+                             api_keys=[KEY], backend_api_key="internal-key",
+                             server_args=["--max-num-batched-tokens", "16",
+                                          "--max-model-len", "1024"],
+                             metrics_interval_s=0.25, look_back_period_s=0.5,
+                             drain_timeout_s=20)
+        targets = FleetTargets(prefill_min=1, prefill_max=2, decode_min=1, decode_max=2,
+                               prefill_target_queued_tokens=1000, decode_target_running=3,
+                               upscale_delay_s=0.5, downscale_delay_s=2.0)
+        f = start_fleet(config, targets, startup_timeout=180)
+        yield f
+    finally:
+        if f is not None:
+            f.stop()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _complete(fleet, prompt, max_tokens=8, **kw):
+    r = httpx.post(fleet.url + "/v1/completions", headers=AUTH, timeout=120,
+                   json={"model": fleet.config.model, "prompt": prompt, "max_tokens": max_tokens,
+                         "temperature": 0, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _wait(fleet, pred, timeout):
+    deadline = time.monotonic() + timeout
+    view = fleet.view()
+    while not pred(view):
+        assert time.monotonic() < deadline, json.dumps(view)[:2000]
+        time.sleep(0.25)
+        view = fleet.view()
+    return view
+
+
+def test_greedy_outputs_equal_one_instance(fleet):
+    from minivllm import LLM, SamplingParams
+    prompts = [f"Request {i}: the quick brown fox number {i * 7}" for i in range(20)]
+    with cf.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: _complete(fleet, p)["choices"][0]["text"], prompts))
+    llm = LLM(model=fleet.config.model, seed=0, max_model_len=1024)
+    want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0,
+                                                                            max_tokens=8))]
+    assert got == want
+
+
+def test_openai_surface_streaming_auth_and_400s(fleet):
+    url = fleet.url + "/v1/completions"
+    assert httpx.post(url, json={"prompt": "x"}, timeout=30).status_code == 401
+    assert httpx.get(fleet.url + "/fleet", timeout=30).status_code == 401
+    for bad in ({"model": "m", "prompt": "x", "max_tokens": -1}, {"model": "m"}, [1, 2]):
+        r = httpx.post(url, json=bad, headers=AUTH, timeout=30)
+        assert r.status_code == 400, r.text
+        assert "error" in r.json()
+    body = {"model": fleet.config.model, "prompt": "Once upon", "max_tokens": 6,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", url, json=body, timeout=60,
+                      headers={**AUTH, "X-Request-Id": "fleet-req-1"}) as r:
+        assert r.status_code == 200 and r.headers["X-Request-Id"] == "fleet-req-1"
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert text == _complete(fleet, "Once upon", 6)["choices"][0]["text"]
+    view = httpx.get(fleet.url + "/fleet", headers=AUTH, timeout=30).json()
+    assert view["prefill"]["replicas"] >= 1 and view["decode"]["min"] == 1
+    assert view["decisions"] and {"time", "prefill", "decode", "reason"} <= set(view["decisions"][-1])
+
+
+def _load_until(fleet, stop, errors, prompt, max_tokens):
+    import random
+    while not stop.is_set():      # a new prefix each time: no prefix-cache hit
+        try:
+            _complete(fleet, f"{random.random()} {prompt}", max_tokens, ignore_eos=True)
+        except Exception as e:          # noqa: BLE001  collected: any failure fails the test
+            errors.append(repr(e))
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_each_role_scales_under_its_own_load_and_back(fleet, role):
+    """Long prompts, one token each, queue only prompt tokens; short prompts with long
+    generations only fill the decode batch. Each must grow its own role, not the other."""
+    import threading
+    _wait(fleet, lambda v: v["prefill"]["replicas"] == 1 and v["decode"]["replicas"] == 1, 60)
+    other = "decode" if role == "prefill" else "prefill"
+    prompt, max_tokens, clients = (("lorem ipsum dolor " * 120, 1, 8) if role == "prefill"
+                                   else ("hi", 400, 12))
+    stop, errors, other_max = threading.Event(), [], 1
+    threads = [threading.Thread(target=_load_until, args=(fleet, stop, errors, prompt, max_tokens))
+               for _ in range(clients)]
+    t_burst = time.time()
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            v = fleet.view()
+            other_max = max(other_max, v[other]["replicas"])
+            if v[role]["replicas"] == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert v[role]["replicas"] == 2, json.dumps(v)[:2000]
+        time.sleep(2.0)                 # the new replica takes part (no failure while it joins)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:3]
+    assert other_max == 1
+    _wait(fleet, lambda v: v["prefill"]["replicas"] == 1 and v["decode"]["replicas"] == 1, 60)
+    deadline = time.monotonic() + 30        # the stopped replica drains, then says so
+    while not [e for e in fleet.records()["events"] if e.get("event") == "drained"
+               and e["role"] == role]:
+        assert time.monotonic() < deadline, fleet.records()["events"]
+        time.sleep(0.25)
+    rec = fleet.records()
+    decided = min(d["time"] for d in rec["decisions"] if d[role] == 2 and d["time"] > t_burst)
+    serving = min(e["time"] for e in rec["events"] if e["role"] == role
+                  and e["event"] == "serving" and e["time"] > t_burst)
+    drain = [e["drain_s"] for e in rec["events"] if e["role"] == role and e["event"] == "drained"]
+    print(f"\nFLEET {role}: burst -> decision {decided - t_burst:.1f} s, -> new replica serving "
+          f"{serving - t_burst:.1f} s; drain {drain[-1]:.1f} s")
+
+
+def test_killed_decode_replica(fleet):
+    _wait(fleet, lambda v: v["decode"]["replicas"] == 1, 60)
+    deadline = time.monotonic() + 40          # a replica stopped by the scale-down may still drain
+    while True:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if "#decode#" in a["name"]]
+        if len(names) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    assert len(names) == 1, names
+    body = {"model": fleet.config.model, "prompt": "hi", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", fleet.url + "/v1/completions", json=body, headers=AUTH,
+                      timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert "choices" in first
+        killed = time.time()
+        ray.kill(ray.get_actor(names[0], namespace="serve"))
+        rest = [line[6:] for line in lines if line.startswith("data: ")]
+    # a clean end: either an OpenAI error event then [DONE], or the answer completed
+    assert rest[-1] == "[DONE]"
+    # The dead replica leaves the pools; Serve starts another, which serves.
+    deadline = time.monotonic() + 90
+    while not [e for e in fleet.records()["events"] if e["role"] == "decode"
+               and e["event"] == "serving" and e["time"] > killed]:
+        assert time.monotonic() < deadline, fleet.records()["events"]
+        time.sleep(0.25)
+    assert any(e["event"] == "lost" for e in fleet.records()["events"])
+    _wait(fleet, lambda v: v["decode"]["replicas"] == 1 and v["prefill"]["replicas"] == 1, 30)
+    assert _complete(fleet, "after the fault", 4)["choices"][0]["text"] is not None
+    v = _wait(fleet, lambda v: v["decode"]["metrics"].get("kv_cache_usage", 1) == 0
+              and v["prefill"]["metrics"].get("kv_cache_usage", 1) == 0, 30)
+    assert v["decode"]["metrics"]["running_requests"] == 0

@@ -1,0 +1,104 @@
+"""The fleet's autoscaling policy (minivllm/disagg/autoscale.py) on recorded metric series, without
+Ray; and the fleet command without Ray installed."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from minivllm.disagg.autoscale import FleetTargets, decide, role_metrics
+
+T = FleetTargets(prefill_min=1, prefill_max=3, decode_min=1, decode_max=3,
+                 prefill_target_queued_tokens=1000, decode_target_running=4,
+                 upscale_delay_s=1.0, downscale_delay_s=5.0)
+
+
+def run(series, targets=T, start=(1, 1), dt=0.5):
+    """Feed ``series`` (one ``{"prefill": {...}, "decode": {...}}`` per tick, ``dt`` apart) to
+    ``decide`` as Serve would; returns the counts after every tick."""
+    cur, state, out = {"prefill": start[0], "decode": start[1]}, {}, []
+    for i, m in enumerate(series):
+        d = decide(m, cur, targets, state, now=i * dt)
+        cur, state = {"prefill": d.num_prefill, "decode": d.num_decode}, d.state
+        out.append((d.num_prefill, d.num_decode, d.reason))
+    return out
+
+
+def tick(queued=0.0, running=0.0, kv=0.0):
+    return {"prefill": {"waiting_prompt_tokens": queued},
+            "decode": {"running_requests": running, "kv_cache_usage": kv}}
+
+
+def test_a_burst_of_long_prompts_scales_prefill_not_decode():
+    out = run([tick(queued=2600, running=1)] * 6)
+    assert out[0][:2] == (1, 1) and "wants 3" in out[0][2]      # not before the delay
+    assert out[-1][:2] == (3, 1)
+    assert "prefill 1->3" in out[2][2]
+
+
+def test_long_generations_scale_decode_not_prefill():
+    out = run([tick(queued=40, running=9)] * 6)
+    assert out[-1][:2] == (1, 3)
+    out = run([tick(running=2, kv=0.95)] * 4)                    # KV nearly full: one more
+    assert out[-1][:2] == (1, 2) and "KV usage" in out[-1][2]
+
+
+def test_idle_returns_both_to_min_after_the_down_delay():
+    out = run([tick()] * 12, start=(3, 3))
+    assert [o[:2] for o in out[:10]] == [(3, 3)] * 10             # 5 s at 0.5 s a tick
+    assert out[10][:2] == (1, 1)
+
+
+def test_no_flapping_on_a_noisy_series():
+    import random
+    rng = random.Random(0)
+    # load that swings around one replica's target, never above it for a whole second
+    series = [tick(queued=rng.choice([700, 1300]) if i % 2 else 600,
+                   running=rng.choice([3, 5]) if i % 2 else 2) for i in range(60)]
+    out = run(series)
+    assert {o[:2] for o in out} == {(1, 1)}
+
+
+def test_bounds_and_targets_are_checked():
+    assert run([tick(queued=10 ** 6, running=10 ** 3)] * 4)[-1][:2] == (3, 3)
+    with pytest.raises(ValueError, match="prefill"):
+        FleetTargets(prefill_min=2, prefill_max=1)
+    with pytest.raises(ValueError, match="target"):
+        FleetTargets(decode_target_running=0)
+
+
+def test_role_metrics_sum_replicas_and_average_kv_usage():
+    agg = {"running_requests": {"r1": 3.0, "r2": 5.0}, "kv_cache_usage": {"r1": 0.2, "r2": 0.6}}
+    m = role_metrics("decode", agg)
+    assert m["running_requests"] == 8.0 and m["kv_cache_usage"] == pytest.approx(0.4)
+    assert role_metrics("prefill", {})["waiting_prompt_tokens"] == 0.0
+
+
+def test_without_ray_the_command_exits_2_and_the_package_imports():
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "import minivllm, minivllm.disagg.fleet as f\n"
+            "assert 'ray' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+            "f.main(['--prefill', '1:2'])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert 'pip install "minivllm[fleet]"' in r.stderr
+
+
+def test_importing_minivllm_does_not_import_ray():
+    code = "import sys, minivllm; from minivllm import LLM; print('ray' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "False", r.stderr
+
+
+def test_shared_storage_is_refused_where_the_folder_is_not_seen(tmp_path):
+    from minivllm.disagg.fleet_replicas import MARKER, kv_transfer_config
+    config = {"kv_connector": "SharedStorageConnector", "shared_storage_path": str(tmp_path)}
+    with pytest.raises(RuntimeError, match="does not see the fleet's folder"):
+        kv_transfer_config("decode", config, "10.0.0.2")
+    (tmp_path / MARKER).touch()                  # what the fleet command writes where it runs
+    kv = kv_transfer_config("decode", config, "10.0.0.2")
+    assert kv["kv_role"] == "kv_consumer"
+    assert kv["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path)
+    zmq = kv_transfer_config("prefill", {"kv_connector": "ZmqPullConnector"}, "10.0.0.1")
+    assert zmq["kv_connector_extra_config"]["side_channel_host"] == "10.0.0.1"

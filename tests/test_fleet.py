@@ -24,31 +24,36 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_chat_dir):
+def cluster():
     from ray.cluster_utils import Cluster
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 4, "resources": {"prefill": 1}})
     cluster.add_node(num_cpus=4, resources={"decode": 1})
     ray.init(address=cluster.address, log_to_driver=False)
-    f = None
     try:
         assert len(ray.nodes()) == 2
-        config = FleetConfig(model=tiny_chat_dir, replica_num_cpus=1, node_ip=False,
-                             api_keys=[KEY], backend_api_key="internal-key",
-                             server_args=["--max-num-batched-tokens", "16",
-                                          "--max-model-len", "1024"],
-                             metrics_interval_s=0.25, look_back_period_s=0.5,
-                             drain_timeout_s=20)
-        targets = FleetTargets(prefill_min=1, prefill_max=2, decode_min=1, decode_max=2,
-                               prefill_target_queued_tokens=1000, decode_target_running=3,
-                               upscale_delay_s=0.5, downscale_delay_s=2.0)
-        f = start_fleet(config, targets, startup_timeout=180)
-        yield f
+        yield cluster
     finally:
-        if f is not None:
-            f.stop()
         ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster, tiny_chat_dir):
+    config = FleetConfig(model=tiny_chat_dir, replica_num_cpus=1, node_ip=False,
+                         api_keys=[KEY], backend_api_key="internal-key",
+                         server_args=["--max-num-batched-tokens", "16",
+                                      "--max-model-len", "1024"],
+                         metrics_interval_s=0.25, look_back_period_s=0.5,
+                         drain_timeout_s=20)
+    targets = FleetTargets(prefill_min=1, prefill_max=2, decode_min=1, decode_max=2,
+                           prefill_target_queued_tokens=1000, decode_target_running=3,
+                           upscale_delay_s=0.5, downscale_delay_s=2.0)
+    f = start_fleet(config, targets, startup_timeout=180)
+    try:
+        yield f
+    finally:
+        f.stop()
 
 
 def _complete(fleet, prompt, max_tokens=8, **kw):
@@ -192,3 +197,39 @@ def test_killed_decode_replica(fleet):
     v = _wait(fleet, lambda v: v["decode"]["metrics"].get("kv_cache_usage", 1) == 0
               and v["prefill"]["metrics"].get("kv_cache_usage", 1) == 0, 30)
     assert v["decode"]["metrics"]["running_requests"] == 0
+
+
+def _replica_nodes(cluster, role):
+    """{actor name: node id} of the role's live replica actors (Ray's state API, this cluster)."""
+    from ray.util.state import list_actors
+    alive = list_actors(address=cluster.address, filters=[("state", "=", "ALIVE")], limit=1000)
+    return {a.name: a.node_id for a in alive if a.name and f"#{role}#" in a.name}
+
+
+def test_removed_node_replicas_come_back_elsewhere(fleet, cluster):
+    """The node holding the decode replica leaves the cluster (``Cluster.remove_node``: its raylet
+    and every worker on it are killed). Serve starts the replica again on the node left that
+    carries the ``decode`` resource, within the policy's bounds, and requests succeed."""
+    _wait(fleet, lambda v: v["decode"]["replicas"] == 1 and v["prefill"]["replicas"] == 1, 60)
+    spare = cluster.add_node(num_cpus=4, resources={"decode": 1})
+    doomed = [n for n in cluster.worker_nodes if n is not spare][0]
+    deadline = time.monotonic() + 40          # a replica stopped by a scale-down may still drain
+    while len(before := _replica_nodes(cluster, "decode")) != 1:
+        assert time.monotonic() < deadline, before
+        time.sleep(0.25)
+    assert list(before.values()) == [doomed.node_id]
+    removed = time.time()
+    cluster.remove_node(doomed)
+    deadline = time.monotonic() + 90
+    while not [e for e in fleet.records()["events"] if e["role"] == "decode"
+               and e["event"] == "serving" and e["time"] > removed]:
+        assert time.monotonic() < deadline, fleet.records()["events"]
+        time.sleep(0.25)
+    v = _wait(fleet, lambda v: v["decode"]["replicas"] == 1 and v["prefill"]["replicas"] == 1, 30)
+    assert 1 <= v["decode"]["replicas"] <= v["decode"]["max"]
+    assert set(_replica_nodes(cluster, "decode").values()) == {spare.node_id}
+    got = [_complete(fleet, f"after the node left {i}", 4)["choices"][0]["text"] for i in range(3)]
+    assert all(isinstance(t, str) for t in got)
+    back = min(e["time"] for e in fleet.records()["events"] if e["role"] == "decode"
+               and e["event"] == "serving" and e["time"] > removed)
+    print(f"\nFLEET node removed -> decode replica serving on the node left {back - removed:.1f} s")

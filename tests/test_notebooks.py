@@ -154,7 +154,10 @@ EXPECTED = {
                                   "Medusa   identical greedy tokens to plain: True",
                                   "EAGLE-3  identical greedy tokens to plain: True",
                                   "\u2713 eagle_first_pass_inputs"],
-    "06_pd_at_scale.ipynb": ["keys,", "1P+2D via the proxy", "children still running: []"],
+    "06_pd_at_scale.ipynb": ["keys,", "1P+2D via the proxy", "children still running: []",
+                             "failed requests: []", "s  prefill 1->2 (",
+                             "queued prompt tokens / 1000 per replica, wanted for",
+                             "Ray processes still running: []"],
     "08_suffix_decoding.ipynb": ["context '... c a' -> draft ['b', 'a']", "last match, in the",
                                  "same greedy output: True", "suffix  accepted per verify step: ["],
 }

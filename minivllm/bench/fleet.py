@@ -68,6 +68,7 @@ def run_once(args, bounds: tuple[int, int]) -> dict:
                lambda: f"{random.random()} " + "lorem ipsum dolor " * 110, 2, out)
         t1 = time.time()
         _phase(fleet.url, args.model, args.phase_s, 8, lambda: f"{random.random()} hi", 128, out)
+        t2 = time.time()
         time.sleep(args.phase_s)                     # idle: the policy returns to min
         t3 = time.time()
         rec = fleet.records()
@@ -77,10 +78,17 @@ def run_once(args, bounds: tuple[int, int]) -> dict:
     rs = {r: sum(a["running"][r] * (b["time"] - a["time"]) for a, b in zip(ticks, ticks[1:]))
           for r in ("prefill", "decode")}
     up = {}
-    for role, start in (("prefill", t0), ("decode", t1)):
+    for role in ("prefill", "decode"):
+        # The first decision to grow this role, timed from the start of the phase it fell in
+        # (the load that caused it), to the first replica of the role serving after it.
+        lo = getattr(targets, f"{role}_min")
+        grown = [d["time"] for d in ticks if d[role] > lo]
         serving = [e["time"] for e in rec["events"] if e["role"] == role
-                   and e["event"] == "serving" and e["time"] > start]
-        up[role] = serving[0] - start if serving else None
+                   and e["event"] == "serving" and grown and e["time"] > grown[0]]
+        starts = {"burst": t0, "generations": t1, "idle": t2}
+        cause = max((p for p, t in starts.items() if grown and t <= grown[0]),
+                    key=starts.get, default="burst")
+        up[role] = (serving[0] - starts[cause], cause) if serving else None
     drains = [e["drain_s"] for e in rec["events"] if e["event"] == "drained"]
     ttft = sorted(o["ttft"] for o in out if o["ttft"] is not None)
     itl = sorted(o["itl"] for o in out if o["itl"] is not None)
@@ -108,10 +116,11 @@ def main(argv=None) -> None:
     print(f"\nSLO: TTFT <= {SLO_TTFT_S} s and mean ITL <= {SLO_ITL_S} s. On this 2-core machine "
           "more replicas add no compute: the table shows the mechanism and its cost, not a speed-up.")
     print("| fleet | requests (failed) | TTFT p50 / p99 s | ITL p50 / p99 s | SLO met | "
-          "replica-s P / D | scale-up P / D s | drains s |")
+          "replica-s P / D | new replica serving after its phase began, P / D s | drains s |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
-        up = " / ".join("-" if r["scale_up_s"][k] is None else f"{r['scale_up_s'][k]:.1f}"
+        up = " / ".join("-" if r["scale_up_s"][k] is None else
+                        f"{r['scale_up_s'][k][0]:.1f} ({r['scale_up_s'][k][1]})"
                         for k in ("prefill", "decode"))
         print(f"| {name} | {r['requests']} ({r['failed']}) | {r['ttft_p50']:.2f} / "
               f"{r['ttft_p99']:.2f} | {r['itl_p50']:.3f} / {r['itl_p99']:.3f} | {r['slo_met']} | "

@@ -183,8 +183,12 @@ def start_fleet(config: FleetConfig, targets: FleetTargets = FleetTargets(), por
         config.state_actor = config.state_actor or f"fleet-state-{uuid.uuid4().hex[:8]}"
         bounds = {r: [getattr(targets, f"{r}_min"), getattr(targets, f"{r}_max")] for r in ROLES}
         from minivllm.disagg.fleet_replicas import FleetState
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        # On this (the driver's) node: the membership outlives any other node leaving.
         fleet._state = ray.remote(FleetState).options(
-            name=config.state_actor, namespace=NAMESPACE, num_cpus=0).remote(bounds)
+            name=config.state_actor, namespace=NAMESPACE, num_cpus=0,
+            scheduling_strategy=here).remote(bounds)
         try:
             _get_global_client(raise_if_no_controller_running=True)
         except Exception:                                  # noqa: BLE001  no Serve yet

@@ -177,7 +177,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.draft_num_layers is for method 'draft_model' "
                              f"only, not {self.method!r}.")
         if self.method == "suffix":   # vLLM checks these for this method only
-            _check_suffix_options(self)
+            from minivllm.suffix_config import check_suffix_options
+            check_suffix_options(self)
 
     def use_eagle(self) -> bool:
         """vLLM's ``SpeculativeConfig.use_eagle``: drives the drafter type, the lookahead slots and
@@ -208,24 +209,6 @@ class SpeculativeConfig:
         if self.draft_num_layers is not None and not 1 <= self.draft_num_layers <= n - 1:
             raise ValueError(f"speculative_config.draft_num_layers must be in [1, {n - 1}] "
                              f"for this {n}-layer model, got {self.draft_num_layers}.")
-
-
-def _check_suffix_options(spec: SpeculativeConfig) -> None:
-    """vLLM 0.32's ``_validate_suffix_decoding`` ranges (config/speculative.py); no draft model."""
-    for name, kind, lo, hi in (("max_tree_depth", int, 1, None),
-                               ("max_cached_requests", int, 0, None),
-                               ("max_spec_factor", float, 0, None),
-                               ("min_token_prob", float, 0, 1)):
-        value = getattr(spec, "suffix_decoding_" + name)
-        if (isinstance(value, bool) or not isinstance(value, (kind, int)) or value < lo
-                or (hi is not None and value > hi)):
-            allowed = f"in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}" \
-                if kind is int else f">= {lo}"
-            raise ValueError(f"speculative_config.suffix_decoding_{name} must be {allowed}, "
-                             f"got {value!r}.")
-    if spec.model is not None or spec.draft_num_layers is not None:
-        raise ValueError("speculative_config method 'suffix' drafts from the requests' own "
-                         "tokens: it takes no 'model' or 'draft_num_layers'.")
 
 
 @dataclass

@@ -13,7 +13,6 @@ SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "suf
 # Methods whose drafter is a trained head over the target's hidden states (DESIGN 5.1).
 LEARNED_DRAFTER_METHODS = ("eagle", "eagle3", "medusa")
 NGRAM_MATCH_RULES = ("first", "last")
-DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_CONNECTOR_CONTEXTS = ("article", "vllm_today")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -161,24 +160,11 @@ class SpeculativeConfig:
             if self.ngram_match not in NGRAM_MATCH_RULES:
                 raise ValueError(f"speculative_config.ngram_match must be one of "
                                  f"{NGRAM_MATCH_RULES}, got {self.ngram_match!r}.")
-        if self.method == "draft_model":
-            if (self.model is None) == (self.draft_num_layers is None):
-                raise ValueError("speculative_config for method 'draft_model' needs exactly one of "
-                                 "'model' (a draft checkpoint) or 'draft_num_layers' (a self-draft).")
-        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
-            raise ValueError(f"speculative_config.draft_sample_method must be one of "
-                             f"{DRAFT_SAMPLE_METHODS}, got {self.draft_sample_method!r}.")
-        if (self.draft_sample_method == "probabilistic"
-                and self.method not in ("eagle", "eagle3", "draft_model")):
-            raise ValueError("speculative_config.draft_sample_method='probabilistic' needs method "
-                             f"'eagle', 'eagle3' or 'draft_model', not {self.method!r} (its drafts "
-                             "have no distribution).")
-        if self.method in LEARNED_DRAFTER_METHODS and self.draft_num_layers is not None:
-            raise ValueError("speculative_config.draft_num_layers is for method 'draft_model' "
-                             f"only, not {self.method!r}.")
-        if self.method == "suffix":   # vLLM checks these for this method only
-            from minivllm.suffix_config import check_suffix_options
-            check_suffix_options(self)
+        if self.method != "ngram" or self.draft_sample_method != "greedy":
+            # The options of the methods that came after the article's n-gram are checked beside
+            # this class, in a module loaded only when one of them is asked for.
+            from minivllm.speculative_options import check_drafter_options
+            check_drafter_options(self)
 
     def use_eagle(self) -> bool:
         """vLLM's ``SpeculativeConfig.use_eagle``: drives the drafter type, the lookahead slots and

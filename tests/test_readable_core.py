@@ -82,7 +82,7 @@ ARTICLE_EXAMPLES = {
               "'num_speculative_tokens': 3}\n"
               "LLM(model=MODEL, skip_tokenizer_init=True, speculative_config=spec).generate("
               "[{'prompt_token_ids': [1, 2, 3, 1, 2, 3, 1, 2]}], "
-              "SamplingParams(temperature=0.8, top_p=0.95), use_tqdm=False)\n", 4096),
+              "SamplingParams(temperature=0.8, top_p=0.95), use_tqdm=False)\n", 3935),
     "pd": ("import tempfile\n"
            "from minivllm.config import KVTransferConfig\n"
            "ktc = KVTransferConfig(kv_connector='SharedStorageConnector', kv_role='kv_both', "
@@ -90,8 +90,14 @@ ARTICLE_EXAMPLES = {
            "prompt = {'prompt_token_ids': list(range(1, 40))}\n"
            "for n in (1, 8):\n"
            "    LLM(model=MODEL, skip_tokenizer_init=True, kv_transfer_config=ktc).generate("
-           "[prompt], SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)\n", 4562),
+           "[prompt], SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)\n", 4400),
 }
+
+
+# Modules that load only when their route wins the first run's timing on this machine (a packed
+# copy of the weights beats F.linear on some machines and days, not on others): not counted, so a
+# ceiling does not move with the day's timings. The reading path pins F.linear instead.
+TIMED_ROUTE_MODULES = {"model_executor/packed_weight.py"}
 
 
 def _example_script(example: str, model: str) -> str:
@@ -114,7 +120,7 @@ def test_article_examples_load_few_lines(example, tiny_llama_dir, warm_route_cac
     ceiling = ARTICLE_EXAMPLES[example][1]
     loaded = code_stats.loaded_lines(_example_script(example, tiny_llama_dir), env=warm_route_cache)
     total = sum(code_stats.file_code_lines(os.path.join(code_stats.ROOT, "minivllm", f))
-                for f in loaded)
+                for f in loaded if f not in TIMED_ROUTE_MODULES)
     assert total <= ceiling, f"{example}: {total} lines in {len(loaded)} modules (at most {ceiling})"
     extras = [f for f in loaded if f.split("/")[0] in ("viz", "bench", "train", "exercises", "disagg")
               or "vllm_today" in f or f in ("tour.py", "then_and_now.py", "step_table.py")]
@@ -124,10 +130,10 @@ def test_article_examples_load_few_lines(example, tiny_llama_dir, warm_route_cac
 # The reading path: both article examples in one process on the plain path (the eager attention,
 # plain F.linear), in code lines of every minivllm module they import (code_stats.reading_path;
 # `python tests/code_stats.py` lists them). 4,331 before the instrumentation left the article's
-# functions, 4,358 after; +8 when suffix decoding's four options joined SpeculativeConfig (their
-# checks load only for that method: suffix_config.py). The goal is 3,800. A ratchet: lower it when
-# the path gets shorter, never raise it.
-READING_PATH_CEILING = 4366
+# functions, 4,358 after, 4,366 with suffix decoding's four options; 4,350 once the later methods'
+# option checks moved beside the configuration (speculative_options.py, loaded only for them). The
+# goal is 3,800. A ratchet: lower it when the path gets shorter, never raise it.
+READING_PATH_CEILING = 4350
 
 
 def test_reading_path_ratchet(tiny_llama_dir):

@@ -1,0 +1,52 @@
+"""``SpeculativeConfig``'s checks for the methods that came after the article's n-gram: the draft
+model, the drafters' sampling, and suffix decoding (vLLM 0.32: ``config/speculative.py``, with
+``_validate_suffix_decoding``). ``config.py`` loads this only when one of them is asked for, so the
+article's configuration reads without the options of methods it does not use.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minivllm.config import SpeculativeConfig
+
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+
+
+def check_drafter_options(spec: "SpeculativeConfig") -> None:
+    """Raises ``ValueError`` naming the field and what it allows."""
+    if spec.method == "draft_model":
+        if (spec.model is None) == (spec.draft_num_layers is None):
+            raise ValueError("speculative_config for method 'draft_model' needs exactly one of "
+                             "'model' (a draft checkpoint) or 'draft_num_layers' (a self-draft).")
+    if spec.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+        raise ValueError(f"speculative_config.draft_sample_method must be one of "
+                         f"{DRAFT_SAMPLE_METHODS}, got {spec.draft_sample_method!r}.")
+    if (spec.draft_sample_method == "probabilistic"
+            and spec.method not in ("eagle", "eagle3", "draft_model")):
+        raise ValueError("speculative_config.draft_sample_method='probabilistic' needs method "
+                         f"'eagle', 'eagle3' or 'draft_model', not {spec.method!r} (its drafts "
+                         "have no distribution).")
+    if spec.method == "suffix":   # vLLM checks these for this method only
+        check_suffix_options(spec)
+    if spec.method != "draft_model" and spec.draft_num_layers is not None:
+        raise ValueError("speculative_config.draft_num_layers is for method 'draft_model' "
+                         f"only, not {spec.method!r}.")
+
+
+def check_suffix_options(spec: "SpeculativeConfig") -> None:
+    """vLLM 0.32's ``_validate_suffix_decoding`` ranges (config/speculative.py); no draft model."""
+    for name, kind, lo, hi in (("max_tree_depth", int, 1, None),
+                               ("max_cached_requests", int, 0, None),
+                               ("max_spec_factor", float, 0, None),
+                               ("min_token_prob", float, 0, 1)):
+        value = getattr(spec, "suffix_decoding_" + name)
+        if (isinstance(value, bool) or not isinstance(value, (kind, int)) or value < lo
+                or (hi is not None and value > hi)):
+            allowed = f"in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}" \
+                if kind is int else f">= {lo}"
+            raise ValueError(f"speculative_config.suffix_decoding_{name} must be {allowed}, "
+                             f"got {value!r}.")
+    if spec.model is not None or spec.draft_num_layers is not None:
+        raise ValueError("speculative_config method 'suffix' drafts from the requests' own "
+                         "tokens: it takes no 'model' or 'draft_num_layers'.")

@@ -5,15 +5,10 @@ them, and ``verify_record.py``, which records the same decisions for the trace a
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from minivllm.sample.metadata import SamplingMetadata
+from minivllm.sample.metadata import SamplingMetadata, SpecDecodeMetadata
 from minivllm.sample.sampler import apply_min_p, apply_temperature, apply_top_k_top_p
-
-if TYPE_CHECKING:   # spec_decode sits above sampling; only the annotation
-    from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
 GREEDY_TEMPERATURE = 0.0
 

@@ -12,20 +12,17 @@ outputs: the mistake vLLM 0.32's ``RejectionSampler.apply_logits_processors`` /
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, TYPE_CHECKING
+from typing import Optional
 
 import torch
 
 from minivllm.sample.accept import (_is_greedy, apply_draft_logits_processors,
                                     apply_sampling_constraints, random_accept_mask)
-from minivllm.sample.metadata import SamplingMetadata
-
-if TYPE_CHECKING:
-    from minivllm.spec_decode.metadata import SpecDecodeMetadata
+from minivllm.sample.metadata import SamplingMetadata, SpecDecodeMetadata
 
 
 def _processed_drafts_ignored(target_logits: torch.Tensor, md: SamplingMetadata,
-                              metadata: "SpecDecodeMetadata") -> torch.Tensor:
+                              metadata: SpecDecodeMetadata) -> torch.Tensor:
     """``ops/processors.apply_draft_logits_processors`` with the drafts left out of each draft row's
     outputs: ``[num_draft_tokens, vocab]`` float32."""
     from minivllm.sample.logits_processor import apply_min_tokens
@@ -41,7 +38,7 @@ def _at_drafts(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return logits.gather(-1, idx).squeeze(-1)
 
 
-def build_record(metadata: "SpecDecodeMetadata", sampling_metadata: SamplingMetadata,
+def build_record(metadata: SpecDecodeMetadata, sampling_metadata: SamplingMetadata,
                  target_logits: torch.Tensor, draft_probs: Optional[torch.Tensor],
                  target_probs: torch.Tensor, target_argmax: torch.Tensor,
                  uniform_probs: Optional[torch.Tensor], output: torch.Tensor) -> list[list[dict]]:

@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import TYPE_CHECKING
 
 import torch
 
-from minivllm.sample.metadata import SamplingMetadata
-
-if TYPE_CHECKING:   # spec_decode sits above sampling; only the annotation
-    from minivllm.spec_decode.metadata import SpecDecodeMetadata
+from minivllm.sample.metadata import SamplingMetadata, SpecDecodeMetadata
 
 
 def combine_outputs_with_spec_tokens(output_token_ids: list[list[int]],

@@ -5,19 +5,16 @@ them (``SamplingMetadata.needs_logits_processors``), so the article's sampler ru
 """
 from __future__ import annotations
 
-from typing import Optional, TYPE_CHECKING
+from typing import Optional
 
 import torch
 
 from minivllm.sample.logits_processor import apply_min_tokens
-from minivllm.sample.metadata import SamplingMetadata
+from minivllm.sample.metadata import SamplingMetadata, SpecDecodeMetadata
 from minivllm.sample.ops import drafts
 from minivllm.sample.ops.bad_words import apply_bad_words
 from minivllm.sample.ops.builtin import apply_allowed_token_ids, apply_logit_bias
 from minivllm.sample.ops.penalties import apply_all_penalties
-
-if TYPE_CHECKING:   # spec_decode sits above sampling; only the annotation
-    from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
 
 def combine_outputs_with_spec_tokens(output_token_ids: list[list[int]],
@@ -55,7 +52,7 @@ def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata,
 
 
 def apply_draft_logits_processors(logits: torch.Tensor, md: SamplingMetadata,
-                                  metadata: "SpecDecodeMetadata") -> torch.Tensor:
+                                  metadata: SpecDecodeMetadata) -> torch.Tensor:
     """``RejectionSampler.apply_logits_processors``: the processors at every draft position
     (``drafts.draft_rows_metadata``: a row per draft, the earlier drafts counted as outputs), then
     ``min_tokens`` by output position (vLLM's ``MinTokensLogitsProcessor.apply_with_spec_decode``), so

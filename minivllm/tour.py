@@ -8,7 +8,9 @@ and the values that matter there, read from the engine's live frame; then it wai
 straight through (CI); ``--ide`` leaves ``breakpoint()`` to the debugger already in charge (VS Code's
 debugpy stops in the engine's frame). ``--plain`` runs the forward on the reference paths (attention
 ``"torch"``, ``F.linear`` for every projection), so that stepping into the model shows plain torch
-calls; by default it runs the CPU's fast paths, as ``LLM()`` does.
+calls, and verifies with the article's rule as it reads (the rejection sampler's "reference"
+backend, sample/rejection_reference.py); by default it runs the CPU's fast paths and vLLM's
+exponential race, as ``LLM()`` does.
 
 - ``spec``: the article's n-gram example (same prompts, ``temperature=0.8, top_p=0.95``, k=3), plus
   one self-repeating prompt so that the n-gram drafter finds a match right after the prefill, and
@@ -179,22 +181,29 @@ def _prompts(model: str, texts: list[str], token_ids: list[list[int]]):
     return (texts, False) if has_tok else ([{"prompt_token_ids": t} for t in token_ids], True)
 
 
+# The reference paths' switches, set while a ``--plain`` tour runs: plain ``F.linear`` for every
+# projection, and the rejection sampler's "reference" backend (the article's rule as it reads).
+REFERENCE_ENV = {"MINIVLLM_LINEAR_ROUTE": "f_linear", "MINIVLLM_REJECTION_SAMPLER": "reference"}
+
+
 @contextmanager
 def reference_paths(plain: bool) -> Iterator[dict[str, Any]]:
-    """``LLM`` keyword arguments for the run: with ``plain``, the reference attention and plain
-    ``F.linear`` (``MINIVLLM_LINEAR_ROUTE=f_linear`` while the tour runs, restored after)."""
+    """``LLM`` keyword arguments for the run: with ``plain``, the reference attention, plain
+    ``F.linear`` and the readable rejection rule (``REFERENCE_ENV`` while the tour runs, restored
+    after)."""
     if not plain:
         yield {}
         return
-    previous = os.environ.get("MINIVLLM_LINEAR_ROUTE")
-    os.environ["MINIVLLM_LINEAR_ROUTE"] = "f_linear"
+    previous = {name: os.environ.get(name) for name in REFERENCE_ENV}
+    os.environ.update(REFERENCE_ENV)
     try:
         yield {"attention_backend": "torch"}
     finally:
-        if previous is None:
-            os.environ.pop("MINIVLLM_LINEAR_ROUTE", None)
-        else:
-            os.environ["MINIVLLM_LINEAR_ROUTE"] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def run_spec(tour: Tour, model: str, max_tokens: int, temperature: Optional[float],
@@ -282,8 +291,8 @@ def run(argv: Optional[list[str]] = None, out: Any = None) -> Tour:
                         help="at each stop where vLLM 0.32 differs, print the article's function "
                              "beside 0.32's override (a diff of their source)")
     parser.add_argument("--plain", action="store_true",
-                        help="the forward on the reference paths (attention 'torch', F.linear): "
-                             "stepping into the model shows plain torch calls")
+                        help="the reference paths (attention 'torch', F.linear, the rejection "
+                             "sampler's article rule): stepping in shows plain torch calls")
     args = parser.parse_args(argv)
     if args.max_tokens < 1:
         parser.error("--max-tokens must be at least 1")

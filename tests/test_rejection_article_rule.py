@@ -71,3 +71,57 @@ def test_reference_rule_by_hand():
     outs = {tuple(rejection_sample_one([1, 0], None, p, torch.Generator().manual_seed(s)))
             for s in range(200)}
     assert outs <= {(0,), (1, 1), (1, 0, 0)} and (0,) in outs and (1, 0, 0) in outs
+
+
+def _batch(backend, drafts, draft_probs, p, bonus, temperature, seed=0):
+    md = SpecDecodeMetadata.make_dummy(drafts)
+    n = len(drafts)
+    greedy = temperature == 0
+    sm = SamplingMetadata(temperature=None if greedy else torch.full((n,), temperature),
+                          all_greedy=greedy, all_random=not greedy, top_p=None, top_k=None,
+                          generators={})
+    torch.manual_seed(seed)
+    return RejectionSampler(backend)(md, draft_probs, p[:K].log().repeat(n, 1), bonus, sm).tolist()
+
+
+def test_reference_backend_is_the_article_rule_in_the_batch():
+    """``RejectionSampler("reference")`` (the ``--plain`` path) reaches ``accept_or_recover`` in at
+    most 4 calls from ``forward`` and samples what the race samples."""
+    import inspect
+    from minivllm.sample import rejection_reference, rejection_sampler
+    greedy_sample, random_sample = rejection_sampler._kernels("reference")
+    assert random_sample is rejection_reference.rejection_random_sample_reference
+    chain = [(rejection_sampler.RejectionSampler.forward, "rejection_sample("),
+             (rejection_sampler.rejection_sample, "random_sample("),
+             (random_sample, "accept_or_recover(")]
+    assert all(call in inspect.getsource(f) for f, call in chain)
+    gen = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(K + 1, VOCAB, generator=gen), -1)
+    q = torch.softmax(1.5 * torch.randn(K, VOCAB, generator=gen), -1)
+    drafts = torch.stack([torch.multinomial(q[j], N, replacement=True, generator=gen)
+                          for j in range(K)], dim=1).tolist()
+    bonus = torch.multinomial(p[K], N, replacement=True, generator=gen).view(N, 1)
+    counts = []
+    for backend in ("reference", "torch"):
+        rows = _batch(backend, drafts, q.repeat(N, 1), p, bonus, 1.0)
+        counts.append(_outcome_counts([[t for t in r if t != PLACEHOLDER_TOKEN_ID] for r in rows]))
+    table = np.stack([c.reshape(-1) for c in counts])
+    assert chi2_contingency(table[:, table.sum(0) > 0]).pvalue > 1e-3
+    # Greedy rows and -1 placeholders take the same path in every backend: equal ids.
+    drafts = [[1, 2], [-1, 3], [4, -1]]
+    bonus = torch.tensor([[5], [5], [5]])
+    assert _batch("reference", drafts, None, p, bonus, 0) == _batch("torch", drafts, None, p, bonus, 0)
+    placeholder_rows = _batch("reference", drafts, None, p, bonus, 1.0)
+    # -1 is always rejected: no bonus ever follows it
+    assert placeholder_rows[1][1:] == [PLACEHOLDER_TOKEN_ID] * 2
+    assert placeholder_rows[2][2] == PLACEHOLDER_TOKEN_ID
+
+
+def test_reference_backend_is_chosen_by_the_environment(monkeypatch):
+    monkeypatch.setenv("MINIVLLM_REJECTION_SAMPLER", "reference")
+    assert RejectionSampler().backend == "reference"
+    monkeypatch.setenv("MINIVLLM_REJECTION_SAMPLER", "nope")
+    with pytest.raises(ValueError, match="MINIVLLM_REJECTION_SAMPLER"):
+        RejectionSampler()
+    monkeypatch.delenv("MINIVLLM_REJECTION_SAMPLER")
+    assert RejectionSampler().backend in ("torch", "triton")

@@ -1,20 +1,20 @@
-"""The article's accept/reject rule for one request, written as the article says it (article step
-7; Leviathan et al. 2023, the same rule as gpt-fast's ``speculative_decode``): the readable
-reference for ``rejection_sampler.py``.
+"""The article's accept/reject rule, written as the article says it (article step 7; Leviathan et
+al. 2023, the same rule as gpt-fast's ``speculative_decode``): the readable reference for
+``rejection_sampler.py``, and the rejection sampler's ``"reference"`` backend (the tour's
+``--plain`` path: ``MINIVLLM_REJECTION_SAMPLER=reference``).
 
 Left to right over the drafts: draft ``x`` at position ``j`` is accepted while
 ``p_target(x) >= p_draft(x)``, or else with probability ``p_target(x) / p_draft(x)``
 (``u < p_target(x) / p_draft(x)``, ``u ~ U[0, 1)``). At the first rejection the recovered token is
 drawn from the residual ``normalize(max(p_target - p_draft, 0))`` and the request stops there; if
-every draft passed, the bonus token is drawn from ``p_target`` after the last draft. Each emitted
-token is then distributed exactly as the target model's.
+every draft passed, the bonus token follows the last draft. Each emitted token is then distributed
+exactly as the target model's.
 
-``RejectionSampler`` computes the same rule for a whole batch, with its random draws made once
-(``generate_uniform_probs``, ``generate_recovery_noise``), so that its ids equal vLLM 0.32's from
-the same draws; there the residual is sampled by an exponential race, ``argmax(residual / q)``
-with ``q ~ Exp(1)``, which picks token ``t`` with probability ``residual(t) / sum(residual)``:
-the same distribution as ``torch.multinomial`` on the normalised residual here
-(tests/test_rejection_article_rule.py checks the two agree).
+The other backends ("torch", "triton") compute the same rule for a whole batch so that their ids
+equal vLLM 0.32's from the same draws; there the residual is sampled by an exponential race,
+``argmax(residual / q)`` with ``q ~ Exp(1)``, which picks token ``t`` with probability
+``residual(t) / sum(residual)``: the same distribution as ``torch.multinomial`` on the normalised
+residual here (tests/test_rejection_article_rule.py checks the two agree).
 """
 from __future__ import annotations
 
@@ -23,22 +23,59 @@ from typing import Optional
 import torch
 
 
+def accept_or_recover(draft_token_ids: list[int], draft_probs: Optional[torch.Tensor],
+                      target_probs: torch.Tensor, uniforms: list[float],
+                      generator: Optional[torch.Generator] = None) -> tuple[list[int], Optional[int]]:
+    """The rule for one request's k drafts -> the accepted drafts, and the recovered token drawn at
+    the first rejection (``None`` when every draft passed: the caller adds the bonus token).
+
+    ``draft_probs``: ``[k, vocab]`` the drafter's distributions, or ``None`` for one-hot drafts
+    (n-gram: ``p_draft(x) = 1``); ``target_probs``: ``[k, vocab]``, row j the target's distribution
+    at draft j's position; ``uniforms``: k draws of U[0, 1). A draft id of -1 (an async-scheduling
+    placeholder) drafted nothing: it is rejected and its recovered token comes from ``p_target``."""
+    for j, x in enumerate(draft_token_ids):
+        p_draft = torch.zeros_like(target_probs[j])
+        if x >= 0:
+            p_draft = p_draft.index_fill_(0, torch.tensor(x), 1.0) if draft_probs is None \
+                else draft_probs[j]
+            p_target_x, p_draft_x = target_probs[j, x].item(), p_draft[x].item()
+            if p_target_x >= p_draft_x or uniforms[j] < p_target_x / p_draft_x:
+                continue                                       # accepted: on to the next draft
+        residual = (target_probs[j] - p_draft).clamp_min(0.0)
+        recovered = torch.multinomial(residual / residual.sum(), 1, generator=generator)
+        return draft_token_ids[:j], int(recovered)
+    return list(draft_token_ids), None
+
+
 def rejection_sample_one(draft_token_ids: list[int], draft_probs: Optional[torch.Tensor],
                          target_probs: torch.Tensor,
                          generator: Optional[torch.Generator] = None) -> list[int]:
-    """One request's verify step. ``draft_token_ids``: its k drafts; ``draft_probs``: ``[k, vocab]``
-    the drafter's distributions, or ``None`` for one-hot drafts (n-gram: ``p_draft(x) = 1``);
-    ``target_probs``: ``[k + 1, vocab]``, row j the target's distribution at draft j's position,
-    row k the one after the last draft. -> the accepted drafts, then one recovered or bonus token."""
-    for j, x in enumerate(draft_token_ids):
-        p_draft = torch.zeros_like(target_probs[j]).index_fill_(0, torch.tensor(x), 1.0) \
-            if draft_probs is None else draft_probs[j]
-        p_target_x, p_draft_x = target_probs[j, x].item(), p_draft[x].item()
-        u = torch.rand((), generator=generator, dtype=torch.float64).item()
-        if p_target_x >= p_draft_x or u < p_target_x / p_draft_x:
-            continue                                           # accepted: on to the next draft
-        residual = (target_probs[j] - p_draft).clamp_min(0.0)
-        recovered = torch.multinomial(residual / residual.sum(), 1, generator=generator)
-        return draft_token_ids[:j] + [int(recovered)]
-    bonus = torch.multinomial(target_probs[len(draft_token_ids)], 1, generator=generator)
-    return list(draft_token_ids) + [int(bonus)]
+    """One request's verify step with its own draws. ``target_probs``: ``[k + 1, vocab]``, row k
+    the target's distribution after the last draft. -> the accepted drafts, then one recovered or
+    bonus token."""
+    k = len(draft_token_ids)
+    uniforms = torch.rand(k, generator=generator, dtype=torch.float64).tolist()
+    accepted, recovered = accept_or_recover(draft_token_ids, draft_probs, target_probs[:k], uniforms,
+                                            generator)
+    if recovered is None:                                      # every draft passed: the bonus
+        recovered = int(torch.multinomial(target_probs[k], 1, generator=generator))
+    return accepted + [recovered]
+
+
+def rejection_random_sample_reference(output_token_ids, num_draft_tokens, cu_num_draft_tokens,
+                                      draft_token_ids, draft_probs, target_probs, bonus_token_ids,
+                                      uniform_probs, is_greedy, generators) -> None:
+    """The random rows of a batch, one request at a time by the rule above, with the rejection
+    sampler's uniform draws (the tour's spec.7 shows them); a seeded request draws its recovered
+    token with its own generator. ``output_token_ids`` ``[batch, max_spec_len + 1]`` int32, written
+    in place; the other arguments as in ``rejection_sampler.race_random_sample``."""
+    start = 0
+    for i, (end, greedy) in enumerate(zip(cu_num_draft_tokens.tolist(), is_greedy.tolist())):
+        if not greedy:
+            drafts = draft_token_ids[start:end].tolist()
+            accepted, recovered = accept_or_recover(
+                drafts, None if draft_probs is None else draft_probs[start:end],
+                target_probs[start:end], uniform_probs[start:end].tolist(), generators.get(i))
+            out = accepted + [int(bonus_token_ids[i]) if recovered is None else recovered]
+            output_token_ids[i, :len(out)] = torch.tensor(out, dtype=torch.int32)
+        start = end

@@ -13,24 +13,28 @@ or the *bonus* token when every draft passed), then ``PLACEHOLDER_TOKEN_ID`` (-1
 - ``bonus_token_ids``: ``[batch, 1]``, sampled elsewhere from the logits after the last draft.
 
 Random rows accept draft x iff ``p_draft(x) > 0`` and ``p_target(x) / p_draft(x) >= u``, ``u ~ U[0, 1)``;
-on rejection the recovered token is drawn from ``max(p_target - p_draft, 0)`` (normalised implicitly by
-the exponential race). Each output position is then distributed exactly as the target (Leviathan et
-al. 2023). A draft id of -1 (``PLACEHOLDER_TOKEN_ID``: an async-scheduling placeholder with no
-real draft behind it, vLLM 0.32's rejection_sampler.py ``draft_token_id < 0``) is always rejected, on
-greedy and random rows and in both backends, and its recovered token comes from ``p_target`` alone;
-no kernel reads a probability at index -1.
+on rejection the recovered token is drawn from ``normalize(max(p_target - p_draft, 0))``. Each output
+position is then distributed exactly as the target (Leviathan et al. 2023). A draft id of -1
+(``PLACEHOLDER_TOKEN_ID``: an async-scheduling placeholder with no real draft behind it, vLLM 0.32's
+rejection_sampler.py ``draft_token_id < 0``) is always rejected, on greedy and random rows and in
+every backend, and its recovered token comes from ``p_target`` alone; no kernel reads a
+probability at index -1.
 
-The random draws are made here in torch, once; the torch reference below and the Triton kernels in
-``rejection_kernels.py`` then compute the same outputs from them. The reference writes its output
-with the article's loop (``accept_left_to_right``: per request, left to right, stop at the first
-rejection), the loop each program of the Triton kernels runs. On a CPU it is also the fast path: at
-batch 1-32 and k 1-5 the plain loop over Python lists takes 8-37 us, a cumprod/scatter
-vectorisation 110-150 us.
+The backends (``_kernels``): "reference" says the article's rule as it reads, one request at a
+time (``rejection_reference.py``; the tour's ``--plain``); "torch" and "triton" (the kernels in
+``rejection_kernels.py``) sample the residual by vLLM's exponential race (``race_random_sample``),
+so that their ids equal vLLM 0.32's from the same draws. The uniform draws are made here in torch,
+once, for every backend. The torch loop writes its output as the article does
+(``accept_left_to_right``: per request, left to right, stop at the first rejection), the loop each
+program of the Triton kernels runs. On a CPU it is also the fast path: at batch 1-32 and k 1-5 the
+plain loop over Python lists takes 8-37 us, a cumprod/scatter vectorisation 110-150 us.
 """
 from __future__ import annotations
 
+import functools
 import itertools
-from typing import Optional, TYPE_CHECKING
+import os
+from typing import Optional
 
 import torch
 from torch import nn
@@ -39,11 +43,8 @@ from minivllm import trace
 from minivllm.sample.accept import (_is_greedy, apply_draft_logits_processors,
                                     apply_sampling_constraints, expand_batch_to_tokens_torch,
                                     random_accept_mask)
-from minivllm.sample.metadata import SamplingMetadata
+from minivllm.sample.metadata import SamplingMetadata, SpecDecodeMetadata
 from minivllm.sample.sampler import exponential_noise
-
-if TYPE_CHECKING:   # spec_decode sits above sampling (its drafters sample); only the annotation
-    from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -119,15 +120,36 @@ def sample_recovered_tokens_torch(cu_num_draft_tokens, draft_token_ids, draft_pr
     return (prob / q_per_token).argmax(dim=-1).to(draft_token_ids.dtype)
 
 
+def race_random_sample(recover, random_sample, output_token_ids, num_draft_tokens,
+                       cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs,
+                       bonus_token_ids, uniform_probs, is_greedy, generators) -> None:
+    """Random rows as vLLM 0.32 samples them, so that the ids equal vLLM's from the same draws
+    (conformance case d): every draft's recovered token is drawn up front by an exponential race,
+    ``argmax(residual / q)`` with ``q ~ Exp(1)`` per request, which picks token ``t`` with
+    probability ``residual(t) / sum(residual)``: the same distribution as the article's draw from
+    ``normalize(max(p_target - p_draft, 0))`` (rejection_reference.py), without normalising."""
+    max_spec_len = output_token_ids.shape[1] - 1
+    q = generate_recovery_noise(len(num_draft_tokens), target_probs.shape[-1], num_draft_tokens,
+                                generators, target_probs.device)
+    recovered = recover(cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, q,
+                        max_spec_len)
+    random_sample(output_token_ids, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs,
+                  bonus_token_ids, recovered, uniform_probs, is_greedy, max_spec_len)
+
+
 def _kernels(backend: str) -> tuple:
-    """(expand, greedy sample, random sample, recover) of ``backend``. The Triton kernels are
-    imported only when asked for: a CPU run with the torch reference never loads Triton."""
+    """(greedy sample, random sample) of ``backend``. "reference" is the article's rule as it reads
+    (rejection_reference.py); "torch" and "triton" are vLLM's race. The Triton kernels are imported
+    only when asked for: a CPU run with the torch reference never loads Triton."""
+    if backend == "reference":
+        from minivllm.sample.rejection_reference import rejection_random_sample_reference
+        return rejection_greedy_sample_torch, rejection_random_sample_reference
     if backend == "torch":
-        return (expand_batch_to_tokens_torch, rejection_greedy_sample_torch,
-                rejection_random_sample_torch, sample_recovered_tokens_torch)
+        return rejection_greedy_sample_torch, functools.partial(
+            race_random_sample, sample_recovered_tokens_torch, rejection_random_sample_torch)
     from minivllm.sample import rejection_kernels as K
-    return (K.expand_batch_to_tokens_triton, K.rejection_greedy_sample_triton,
-            K.rejection_random_sample_triton, K.sample_recovered_tokens_triton)
+    return K.rejection_greedy_sample_triton, functools.partial(
+        race_random_sample, K.sample_recovered_tokens_triton, K.rejection_random_sample_triton)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -158,7 +180,7 @@ def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_dra
                      target_probs, target_argmax, bonus_token_ids, sampling_metadata,
                      backend: str = "torch") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Output ``[batch, max_spec_len + 1]`` int32 and the uniform draws (``None`` if all greedy)."""
-    _, greedy_sample, random_sample, recover = _kernels(backend)
+    greedy_sample, random_sample = _kernels(backend)
     batch_size, device = len(num_draft_tokens), target_probs.device
     output = torch.full((batch_size, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int32,
                         device=device)
@@ -170,15 +192,15 @@ def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_dra
             return output, None
     generators = sampling_metadata.generators
     uniform_probs = generate_uniform_probs(draft_token_ids.numel(), num_draft_tokens, generators, device)
-    q = generate_recovery_noise(batch_size, target_probs.shape[-1], num_draft_tokens, generators, device)
-    recovered = recover(cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, q, max_spec_len)
-    random_sample(output, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs,
-                  bonus_token_ids, recovered, uniform_probs, is_greedy, max_spec_len)
+    random_sample(output, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs,
+                  target_probs, bonus_token_ids, uniform_probs, is_greedy, generators)
     return output, uniform_probs
 
 
 class RejectionSampler(nn.Module):
-    """``backend``: "torch", "triton", or "auto" (Triton on CUDA, the torch reference otherwise).
+    """``backend``: "torch", "triton", "reference" (the article's rule as it reads:
+    rejection_reference.py), or "auto": ``$MINIVLLM_REJECTION_SAMPLER`` when set (the tour's
+    ``--plain`` sets "reference"), else Triton on CUDA and the torch loop otherwise.
 
     With ``record = True`` (or inside a recording trace step) each call leaves ``last_record``: per request, per
     position up to and including the emitted token, a dict with draft_token_id (None for a bonus),
@@ -190,10 +212,12 @@ class RejectionSampler(nn.Module):
 
     def __init__(self, backend: str = "auto") -> None:
         super().__init__()
-        if backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}.")
         if backend == "auto":
-            backend = "triton" if torch.cuda.is_available() else "torch"
+            backend = os.environ.get("MINIVLLM_REJECTION_SAMPLER") or (
+                "triton" if torch.cuda.is_available() else "torch")
+        if backend not in ("torch", "triton", "reference"):
+            raise ValueError(f"backend must be 'auto', 'torch', 'triton' or 'reference' (also for "
+                             f"MINIVLLM_REJECTION_SAMPLER), got {backend!r}.")
         self.backend = backend
         self.record = False
         self.last_record: Optional[list[list[dict]]] = None

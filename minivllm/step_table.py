@@ -24,6 +24,10 @@ STEPS: tuple[Step, ...] = (
     Step("spec.load", "Load model: load the draft model's weights (nothing to load for n-gram).",
          "ModelRunner.load_model", "worker/model_runner.py",
          "type(self.model).__name__, type(self.drafter).__name__"),
+    Step("spec.1.forward", "Run the regular prefill step with the large model: the forward is the "
+         "next line (pdb: 's' steps into self.model).",
+         "ModelRunner.execute_model", "worker/model_runner.py",
+         "so.num_scheduled_tokens, input_ids, positions, md.slot_mapping"),
     Step("spec.1", "Run the regular prefill step with the large model.",
          "ModelRunner.execute_model", "worker/model_runner.py",
          "so.num_scheduled_tokens, logits_indices, tuple(logits.shape)"),
@@ -51,7 +55,7 @@ STEPS: tuple[Step, ...] = (
     Step("spec.7", "The rejection sampler accepts/rejects left to right and produces "
          "output_token_ids.",
          "RejectionSampler.forward", "sample/rejection_sampler.py",
-         "metadata.num_draft_tokens, metadata.draft_token_ids, output"),
+         "self.backend, metadata.num_draft_tokens, metadata.draft_token_ids, output"),
     Step("spec.8", "Repeat steps 2-7 until a stop condition is met (here one request meets one).",
          "Scheduler._update_request_with_output", "core/sched/scheduler.py",
          "request.request_id, request.status.name, request.num_output_tokens, token_id"),

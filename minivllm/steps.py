@@ -41,6 +41,8 @@ _TABLE_NAMES = ("Step", "STEPS", "REGISTRY", "GROUPS", "markdown_table")
 STOPS: dict[str, tuple[str, Optional[str]]] = {
     "spec.setup": ("self.rejection_sampler = RejectionSampler(", None),
     "spec.load": ("for name, layer in self.drafter.attn_layers()", None),
+    "spec.1.forward": ("with self.maybe_get_kv_connector_output(so) as kv_connector_output:",
+                       "so.scheduled_new_reqs"),
     "spec.1": ("self.execute_model_state = ExecuteModelState(", "so.scheduled_new_reqs"),
     "spec.2": ('trace.record("spec_propose"', "any(drafts.values())"),
     "spec.3": ("request.spec_token_ids = list(drafts)", "drafts"),
@@ -67,7 +69,7 @@ STOPS: dict[str, tuple[str, Optional[str]]] = {
 # first statement; all others stop after the anchor. (id, module, function) for a second site:
 OTHER_SITES = (("pd.enter", "minivllm.distributed.kv_transfer.vllm_today", "get_kv_connector_output",
                 "if not start_after_forward:"),)
-INSIDE_BLOCK = {"spec.8"}
+INSIDE_BLOCK = {"spec.1.forward", "spec.8"}
 # Why a requested stop may never come: (a stop that, if it never came either, explains it, why).
 # Those stops are compiled in as witnesses beside the requested ones (they record, never stop).
 _WHY_NOT: dict[str, tuple[str, str]] = {

@@ -29,7 +29,7 @@ def test_tour_spec_in_order_at_the_documented_functions(tiny_llama_dir):
     out = buf.getvalue()
     assert "<error" not in out, out
     for needle in ("request.spec_token_ids = [", "token_budget = ", "new_blocks.get_block_ids() = ",
-                   "logits_indices = [", "p_target=", "tour done: 10 stops",
+                   "logits_indices = [", "p_target=", "tour done: 11 stops",
                    # the prompts, spec.4's sum and the lookahead, spec.6's rows with a prefill chunk
                    "prompts: the last one arrives once the first drafts exist", "1 sampled token whose KV "
                    "is not computed yet + ", "why: num_lookahead_tokens 0: extra slots",
@@ -105,3 +105,26 @@ def test_tour_plain_runs_the_reference_paths_only(tiny_llama_dir):
     modules = lines["MODULES"].split()
     assert "minivllm.attention.backends.torch_ref" in modules
     assert not [m for m in FAST_PATHS if m in modules]
+
+
+def test_tour_spec_plain_verifies_with_the_article_rule(tiny_llama_dir, monkeypatch):
+    """``--plain``: the rejection sampler's "reference" backend (sample/rejection_reference.py) makes
+    the random rows' decisions, spec.7 says so, and the environment is given back; spec.1.forward
+    stops before the prefill's forward, in the same function as spec.1."""
+    from minivllm.sample import rejection_reference
+    calls = []
+    rule = rejection_reference.accept_or_recover
+    monkeypatch.setattr(rejection_reference, "accept_or_recover",
+                        lambda *a, **k: calls.append(a[0]) or rule(*a, **k))
+    monkeypatch.delenv("MINIVLLM_REJECTION_SAMPLER", raising=False)
+    buf = io.StringIO()
+    # Random rows (temperature > 0), near greedy, where the tiny model repeats itself: drafts come.
+    t = tour.run(["spec", "--model", tiny_llama_dir, "--no-wait", "--max-tokens", "8", "--plain",
+                  "--temperature", "0.05"], out=buf)
+    _check_stops(t.stops, tour.TOURS["spec"])
+    out = buf.getvalue()
+    assert "self.backend = 'reference'" in out.split("\nspec.7\n", 1)[1]
+    assert calls, "the random rows did not go through accept_or_recover"
+    assert "MINIVLLM_REJECTION_SAMPLER" not in os.environ
+    forward = out.split("\nspec.1.forward\n", 1)[1].split("\nspec.1\n", 1)[0]
+    assert "input_ids = [" in forward and "ModelRunner.execute_model" in forward

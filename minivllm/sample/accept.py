@@ -5,9 +5,14 @@ them, and ``verify_record.py``, which records the same decisions for the trace a
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from minivllm.sample.metadata import SamplingMetadata, SpecDecodeMetadata
+from minivllm.sample.metadata import SamplingMetadata
+
+if TYPE_CHECKING:   # annotations only: the drafts' metadata loads with speculative decoding
+    from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
 from minivllm.sample.sampler import apply_min_p, apply_temperature, apply_top_k_top_p
 
 GREEDY_TEMPERATURE = 0.0

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -43,7 +43,10 @@ from minivllm import trace
 from minivllm.sample.accept import (_is_greedy, apply_draft_logits_processors,
                                     apply_sampling_constraints, expand_batch_to_tokens_torch,
                                     random_accept_mask)
-from minivllm.sample.metadata import SamplingMetadata, SpecDecodeMetadata
+from minivllm.sample.metadata import SamplingMetadata
+
+if TYPE_CHECKING:   # annotations only: the drafts' metadata loads with speculative decoding
+    from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
 from minivllm.sample.sampler import exponential_noise
 
 PLACEHOLDER_TOKEN_ID = -1

@@ -12,13 +12,16 @@ outputs: the mistake vLLM 0.32's ``RejectionSampler.apply_logits_processors`` /
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from minivllm.sample.accept import (_is_greedy, apply_draft_logits_processors,
                                     apply_sampling_constraints, random_accept_mask)
-from minivllm.sample.metadata import SamplingMetadata, SpecDecodeMetadata
+from minivllm.sample.metadata import SamplingMetadata
+
+if TYPE_CHECKING:   # annotations only: the drafts' metadata loads with speculative decoding
+    from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
 
 
 def _processed_drafts_ignored(target_logits: torch.Tensor, md: SamplingMetadata,

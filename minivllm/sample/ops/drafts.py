@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 
-from minivllm.sample.metadata import SamplingMetadata, SpecDecodeMetadata
+from minivllm.sample.metadata import SamplingMetadata
+
+if TYPE_CHECKING:   # annotations only: the drafts' metadata loads with speculative decoding
+    from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
 
 
 def combine_outputs_with_spec_tokens(output_token_ids: list[list[int]],

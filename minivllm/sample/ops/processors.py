@@ -5,12 +5,15 @@ them (``SamplingMetadata.needs_logits_processors``), so the article's sampler ru
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from minivllm.sample.logits_processor import apply_min_tokens
-from minivllm.sample.metadata import SamplingMetadata, SpecDecodeMetadata
+from minivllm.sample.metadata import SamplingMetadata
+
+if TYPE_CHECKING:   # annotations only: the drafts' metadata loads with speculative decoding
+    from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
 from minivllm.sample.ops import drafts
 from minivllm.sample.ops.bad_words import apply_bad_words
 from minivllm.sample.ops.builtin import apply_allowed_token_ids, apply_logit_bias

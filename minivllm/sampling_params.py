@@ -16,9 +16,16 @@ from typing import Any, Optional, Union
 
 _SAMPLING_EPS = 1e-5
 MAX_N_SEQUENCES = 16384       # vLLM's VLLM_MAX_N_SEQUENCES
-MAX_NUM_BAD_WORDS = 128       # vLLM's VLLM_MAX_NUM_BAD_WORDS
 # vLLM's LogprobsMode (the engine's logprobs_mode): what logprobs hold (sample/ops/logprobs.py).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+# The fields beyond the article's (temperature, top_p, top_k, max_tokens, n, seed, ignore_eos): the
+# logits processors, stop conditions and logprobs. Their checks, the bad-words tokenisation and the
+# vocabulary checks are in sampling_options.py, loaded only when a request sets one of them.
+OPTIONS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "stop",
+           "stop_token_ids", "bad_words", "min_tokens", "logprobs", "prompt_logprobs", "logit_bias",
+           "allowed_token_ids")
 
 
 def check_logprobs_mode(mode: str) -> str:
@@ -60,37 +67,34 @@ class SamplingParams:
     _bad_words_token_ids: Optional[list[list[int]]] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        options = self._sets_options()    # before stop, stop_token_ids and bad_words become lists
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.bad_words = list(self.bad_words or [])
-        if self.logit_bias is not None:
-            # JSON keys are strings; vLLM converts them (SamplingParams.from_optional).
-            try:
-                self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
-            except (TypeError, ValueError, AttributeError):
-                raise ValueError("logit_bias must map token ids to numbers, got "
-                                 f"{self.logit_bias!r}.") from None
         self._verify_args()
+        if options:
+            from minivllm.sampling_options import verify_options
+            verify_options(self)
         if self.temperature < _SAMPLING_EPS:
             # Greedy: top-p / top-k / min-p are irrelevant; normalise them like vLLM does.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         self._all_stop_token_ids = set(self.stop_token_ids)
 
+    def _sets_options(self) -> bool:
+        """Whether a field of ``OPTIONS`` differs from its default: only then are its checks
+        (sampling_options.py) loaded."""
+        fields = self.__dataclass_fields__
+        return any(getattr(self, name) != fields[name].default for name in OPTIONS)
+
     def _verify_args(self) -> None:
-        """vLLM 0.32's ``SamplingParams._verify_args``: the same ranges, each message naming the field."""
+        """vLLM 0.32's ``SamplingParams._verify_args`` for the article's fields (the others:
+        ``sampling_options.verify_options``): the same ranges, each message naming the field."""
         if not isinstance(self.n, int) or isinstance(self.n, bool):
             raise ValueError(f"n must be an int, but is of type {type(self.n)}")
         if not 1 <= self.n <= MAX_N_SEQUENCES:
             raise ValueError(f"n must be at least 1 and at most {MAX_N_SEQUENCES}, got {self.n}.")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0.0:
-            raise ValueError("repetition_penalty must be a finite number greater than zero, got "
-                             f"{self.repetition_penalty}.")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(
                 f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
@@ -98,27 +102,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables top-k), got {self.top_k}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}.")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < -1):
-                raise ValueError(f"{name} must be non-negative or -1, got {value}.")
-        if not all(isinstance(t, int) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must contain only integers, got {self.stop_token_ids}.")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty.")
-        if any(not isinstance(w, str) or not w for w in self.bad_words):
-            raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={self.bad_words}")
-        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
-            raise ValueError("allowed_token_ids is not None and empty!")
         if self.n > 1 and self.temperature < _SAMPLING_EPS:
             # vLLM's _verify_greedy_sampling: n greedy copies would all be the same.
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
@@ -126,39 +111,14 @@ class SamplingParams:
     def verify_for_model(self, vocab_size: int, tokenizer: Any = None) -> None:
         """The checks that need the model, when the engine takes the request (vLLM's
         ``_validate_logit_bias``, ``_validate_allowed_token_ids``, ``update_from_tokenizer``)."""
-        bad = [t for t in (self.logit_bias or {}) if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
-                             f"Vocabulary size: {vocab_size}")
-        if self.allowed_token_ids is not None and not all(
-                0 <= t < vocab_size for t in self.allowed_token_ids):
-            raise ValueError("allowed_token_ids contains out-of-vocab token id!")
-        if self.bad_words:
-            if tokenizer is None:
-                raise ValueError("bad_words needs a tokenizer (skip_tokenizer_init=True has none).")
-            self.update_from_tokenizer(tokenizer)
+        if self.logit_bias or self.allowed_token_ids is not None or self.bad_words:
+            from minivllm.sampling_options import verify_for_model
+            verify_for_model(self, vocab_size, tokenizer)
 
     def update_from_tokenizer(self, tokenizer: Any) -> None:
-        """``bad_words`` -> ``_bad_words_token_ids``, as vLLM: each word without and with a leading
-        space (a word at the start of the text and in the middle tokenise differently); the spaced
-        form is kept only when it is a different token sequence of the same length."""
-        self._bad_words_token_ids = []
-        for bad_word in self.bad_words:
-            for add_prefix_space in (False, True):
-                prompt = (" " if add_prefix_space else "") + bad_word.lstrip()
-                token_ids = tokenizer.encode(prompt, add_special_tokens=False)
-                if not token_ids:
-                    if not add_prefix_space:
-                        raise ValueError("bad_words entries must tokenize to at least one token.")
-                    continue
-                last = self._bad_words_token_ids[-1] if self._bad_words_token_ids else None
-                if not add_prefix_space or (
-                        token_ids[0] != last[0] and len(token_ids) == len(last)):
-                    self._bad_words_token_ids.append(token_ids)
-                    if len(self._bad_words_token_ids) > MAX_NUM_BAD_WORDS:
-                        raise ValueError(f"bad_words: too many bad words after tokenization: "
-                                         f"{len(self._bad_words_token_ids)}. The max number is "
-                                         f"{MAX_NUM_BAD_WORDS}.")
+        """``bad_words`` -> ``_bad_words_token_ids``, as vLLM (``sampling_options.bad_words_token_ids``)."""
+        from minivllm.sampling_options import bad_words_token_ids
+        self._bad_words_token_ids = bad_words_token_ids(self.bad_words, tokenizer)
 
     @property
     def bad_words_token_ids(self) -> Optional[list[list[int]]]:

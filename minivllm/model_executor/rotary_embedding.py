@@ -2,7 +2,6 @@
 vllm/model_executor/layers/rotary_embedding/ (``get_rope``, ``RotaryEmbedding``)."""
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any, Optional
 
@@ -53,10 +52,9 @@ class RotaryEmbedding(nn.Module):
         # device="cpu" explicitly: this must be a real tensor even under a `with torch.device("meta")`.
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         inv_freq = 1.0 / (rope_theta ** exponents)
-        if rope_type == "linear":
-            inv_freq = inv_freq / rope_parameters["factor"]
-        elif rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
+        if rope_type != "default":    # linear or Llama 3.1 scaling, beside this file
+            from minivllm.model_executor.rope_scaling import scale_inv_freq
+            inv_freq = scale_inv_freq(inv_freq, rope_parameters)
         self.inv_freq = inv_freq   # [head_dim // 2] float32
         self.cos_sin_cache: Optional[torch.Tensor] = None   # [max_position, 2 * head_dim]
         # The rows of this forward's positions, made by the first layer and reused by the others
@@ -117,15 +115,3 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
     n = x.shape[0]
     x = x.view(n, -1, head_dim)
     return (x * cos + x.roll(head_dim // 2, dims=-1) * sin).view(n, -1)
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
-    """Llama 3.1 frequency scaling: long wavelengths / factor, short kept, smooth blend between."""
-    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
-    old_len = p["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(is_medium, blended, scaled)

@@ -7,7 +7,7 @@ allowed token ids and bad words (vLLM 0.32's ``SamplingParams._verify_args``, ``
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from minivllm.sampling_params import SamplingParams
@@ -50,9 +50,11 @@ def verify_options(p: SamplingParams) -> None:
         raise ValueError("allowed_token_ids is not None and empty!")
 
 
-def verify_for_model(p: SamplingParams, vocab_size: int, tokenizer: Any) -> None:
+def verify_for_model(p: SamplingParams, vocab_size: int, tokenizer: Any,
+                     max_logprobs: Optional[int]) -> None:
     """vLLM's ``_validate_logit_bias`` and ``_validate_allowed_token_ids``; ``bad_words``
-    tokenised (``update_from_tokenizer``)."""
+    tokenised (``update_from_tokenizer``); ``logprobs`` within the engine's ``max_logprobs``
+    (checked where vLLM's input processor checks it)."""
     bad = [t for t in (p.logit_bias or {}) if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
@@ -63,6 +65,11 @@ def verify_for_model(p: SamplingParams, vocab_size: int, tokenizer: Any) -> None
         if tokenizer is None:
             raise ValueError("bad_words needs a tokenizer (skip_tokenizer_init=True has none).")
         p.update_from_tokenizer(tokenizer)
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(p, name)
+        if max_logprobs is not None and value is not None and value > max_logprobs:
+            raise ValueError(f"{name}: requested {value}, which is greater than max allowed: "
+                             f"{max_logprobs}.")
 
 
 def bad_words_token_ids(bad_words: list[str], tokenizer: Any) -> list[list[int]]:

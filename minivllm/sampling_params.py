@@ -108,12 +108,15 @@ class SamplingParams:
             # vLLM's _verify_greedy_sampling: n greedy copies would all be the same.
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
 
-    def verify_for_model(self, vocab_size: int, tokenizer: Any = None) -> None:
+    def verify_for_model(self, vocab_size: int, tokenizer: Any = None,
+                         max_logprobs: Optional[int] = None) -> None:
         """The checks that need the model, when the engine takes the request (vLLM's
-        ``_validate_logit_bias``, ``_validate_allowed_token_ids``, ``update_from_tokenizer``)."""
-        if self.logit_bias or self.allowed_token_ids is not None or self.bad_words:
+        ``_validate_logit_bias``, ``_validate_allowed_token_ids``, ``update_from_tokenizer``, and
+        ``logprobs`` / ``prompt_logprobs`` at most the engine's ``max_logprobs``)."""
+        if (self.logit_bias or self.allowed_token_ids is not None or self.bad_words
+                or self.logprobs is not None or self.prompt_logprobs is not None):
             from minivllm.sampling_options import verify_for_model
-            verify_for_model(self, vocab_size, tokenizer)
+            verify_for_model(self, vocab_size, tokenizer, max_logprobs)
 
     def update_from_tokenizer(self, tokenizer: Any) -> None:
         """``bad_words`` -> ``_bad_words_token_ids``, as vLLM (``sampling_options.bad_words_token_ids``)."""
@@ -129,6 +132,14 @@ class SamplingParams:
         return (abs(self.presence_penalty) < _SAMPLING_EPS
                 and abs(self.frequency_penalty) < _SAMPLING_EPS
                 and abs(self.repetition_penalty - 1.0) < _SAMPLING_EPS)
+
+    @property
+    def needs_processor_fields(self) -> bool:
+        """Whether ``SamplingMetadata`` needs this request's penalties, ``min_p``, logit bias,
+        allowed ids, bad words or logprobs (sample/processor_fields.py)."""
+        return not (self.no_penalties and self.min_p <= _SAMPLING_EPS and not self.logit_bias
+                    and self.allowed_token_ids is None and not self._bad_words_token_ids
+                    and self.logprobs is None)
 
     @property
     def all_stop_token_ids(self) -> set[int]:

@@ -112,13 +112,8 @@ class LLMEngine:
     def verify_sampling_params(self, params: SamplingParams) -> None:
         """The checks of ``params`` that need the model (vLLM's ``InputProcessor``): token ids
         inside the vocabulary, ``bad_words`` tokenised, ``logprobs`` within ``max_logprobs``."""
-        params.verify_for_model(self.vllm_config.hf_config.vocab_size, self.tokenizer)
-        max_logprobs = self.vllm_config.model_config.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > max_logprobs:
-                raise ValueError(f"{name}: requested {value}, which is greater than max allowed: "
-                                 f"{max_logprobs}.")
+        params.verify_for_model(self.vllm_config.hf_config.vocab_size, self.tokenizer,
+                                self.vllm_config.model_config.max_logprobs)
 
     def abort_request(self, request_ids: list[str]) -> None:
         from minivllm.request import RequestStatus

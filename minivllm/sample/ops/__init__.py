@@ -1,3 +1,4 @@
 """The sampler's logits operations, mirroring vllm/v1/sample/ops/ (``penalties.py``, ``bad_words.py``,
 ``logprobs.py``) and the built-in logits processors of vllm/v1/sample/logits_processor/builtin.py
-(``builtin.py`` here)."""
+(``builtin.py`` here); ``sample/processor_fields.py`` fills their
+``SamplingMetadata`` fields."""

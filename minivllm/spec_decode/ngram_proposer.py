@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from minivllm.config import SpeculativeConfig
 from minivllm.spec_decode.base_proposer import Proposer
 
 
@@ -30,13 +31,10 @@ class NgramProposer(Proposer):
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, num_speculative_tokens: int,
                  max_model_len: Optional[int] = None, match: str = "first") -> None:
         super().__init__()
-        if prompt_lookup_min < 1 or prompt_lookup_max < prompt_lookup_min:
-            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                             f"{prompt_lookup_min} and {prompt_lookup_max}.")
-        if num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}.")
-        if match not in ("first", "last"):
-            raise ValueError(f"match must be 'first' or 'last', got {match!r}.")
+        # The configuration's checks (ValueError naming the field), for a proposer built directly.
+        SpeculativeConfig(method="ngram", num_speculative_tokens=num_speculative_tokens,
+                          prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
+                          ngram_match=match)
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
         self.k = num_speculative_tokens

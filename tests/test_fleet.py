@@ -74,6 +74,42 @@ def _wait(fleet, pred, timeout):
     return view
 
 
+def test_redis_store_fleet_across_nodes_with_its_own_secured_store(cluster, tiny_chat_dir):
+    """``RedisStoreConnector`` without ``kv_store_url``: the fleet starts the store on this node's
+    address, with a random password under ``secure``; prefill (head node) writes the KV there and
+    decode (the other node) reads it. First in the module: Serve runs one fleet at a time."""
+    import os
+
+    import redis
+
+    from minivllm import LLM, SamplingParams
+    config = FleetConfig(model=tiny_chat_dir, kv_connector="RedisStoreConnector", secure=True,
+                         replica_num_cpus=1, api_keys=[KEY],
+                         server_args=["--max-model-len", "1024"])
+    f = start_fleet(config, FleetTargets(1, 1, 1, 1), startup_timeout=180)
+    try:
+        store = f.kv_store
+        assert store["password"] and "@" not in store["url"] and config.backend_api_key
+        assert not store["url"].startswith("redis://127.0.0.1")      # the node's address
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(store["url"], socket_timeout=5).ping()
+        prompts = [f"Request {i}: the quick brown fox number {i * 7} jumps over the lazy dog, "
+                   "then it runs back across the green field to its den" for i in range(4)]
+        got = [_complete(f, p)["choices"][0]["text"] for p in prompts]
+        want = [o.outputs[0].text for o in LLM(model=tiny_chat_dir, seed=0, max_model_len=1024)
+                .generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
+        assert got == want
+        view = httpx.get(f.url + "/fleet", headers=AUTH, timeout=30).json()["kv_store"]
+        assert view == {"connector": "RedisStoreConnector", "url": store["url"], "path": None,
+                        "started_by_fleet": True, "password": True}
+        password = ray.get(f._store.password.remote())
+        with redis.Redis.from_url(store["url"], password=password, socket_timeout=5) as client:
+            assert client.keys("mv:*") and client.info("stats")["keyspace_hits"] > 0
+    finally:
+        f.stop()
+    assert not os.path.exists(f"/proc/{store['pid']}")          # Redis stopped with the fleet
+
+
 def test_greedy_outputs_equal_one_instance(fleet):
     from minivllm import LLM, SamplingParams
     prompts = [f"Request {i}: the quick brown fox number {i * 7}" for i in range(20)]

@@ -1,5 +1,6 @@
 """The fleet's autoscaling policy (minivllm/disagg/autoscale.py) on recorded metric series, without
-Ray; and the fleet command without Ray installed."""
+Ray; the fleet command without Ray installed; the fleet's config checks and KV store's pure parts
+(disagg/fleet_store.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -102,3 +103,36 @@ def test_shared_storage_is_refused_where_the_folder_is_not_seen(tmp_path):
     assert kv["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path)
     zmq = kv_transfer_config("prefill", {"kv_connector": "ZmqPullConnector"}, "10.0.0.1")
     assert zmq["kv_connector_extra_config"]["side_channel_host"] == "10.0.0.1"
+
+
+def test_config_checks_and_the_own_store_decision():
+    from minivllm.disagg.fleet import FleetConfig, check_config
+    from minivllm.disagg.fleet_store import needs_own_store
+    check_config(FleetConfig("m", "RedisStoreConnector"))            # the fleet starts the store
+    check_config(FleetConfig("m", "RedisStoreConnector", kv_store_url="redis://h:6379/0"))
+    with pytest.raises(ValueError, match="kv_connector must be one of"):
+        check_config(FleetConfig("m", "NixlConnector"))
+    with pytest.raises(ValueError, match="RedisStoreConnector's, not ZmqPullConnector's"):
+        check_config(FleetConfig("m", "ZmqPullConnector", kv_store_url="redis://h:6379/0"))
+    with pytest.raises(ValueError, match="must start with one of"):
+        check_config(FleetConfig("m", "RedisStoreConnector", kv_store_url="http://h:6379"))
+    assert needs_own_store("RedisStoreConnector", None)
+    assert not needs_own_store("RedisStoreConnector", "redis://h:6379/0")   # the user's store
+    assert not needs_own_store("ZmqPullConnector", None)
+
+
+def test_store_url_warning_and_view_never_show_a_password():
+    from minivllm.disagg.fleet_replicas import kv_transfer_config
+    from minivllm.disagg.fleet_store import describe, store_url, unguarded_warning
+    assert store_url("10.0.0.1", 6379) == "redis://10.0.0.1:6379/0"
+    assert store_url("fd00::1", 6379) == "redis://[fd00::1]:6379/0"
+    with pytest.raises(ValueError, match="TCP port"):
+        store_url("10.0.0.1", 0)
+    assert "without a password" in unguarded_warning("10.0.0.1", None)
+    assert unguarded_warning("10.0.0.1", "pw") is None and unguarded_warning("127.0.0.1", None) is None
+    view = describe("RedisStoreConnector", "redis://:s3cret@10.0.0.1:6379/0", password=True)
+    assert view["url"] == "redis://:***@10.0.0.1:6379/0" and "s3cret" not in str(view)
+    config = {"kv_connector": "RedisStoreConnector", "kv_store_url": "redis://10.0.0.1:6379/0"}
+    extra = kv_transfer_config("decode", config, "10.0.0.2", "pw")["kv_connector_extra_config"]
+    assert extra == {"url": "redis://10.0.0.1:6379/0", "password": "pw"}
+    assert "password" not in kv_transfer_config("prefill", config, "h")["kv_connector_extra_config"]

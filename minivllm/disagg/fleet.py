@@ -4,12 +4,18 @@ Ray Serve application.
 
     python -m minivllm.disagg.fleet --prefill 1:3 --decode 1:3 --kv-connector ZmqPullConnector \\
         --port 8004 [--address auto|HOST:PORT] [--secure] [--model M]
+    python -m minivllm.disagg.fleet --kv-connector RedisStoreConnector --secure ...
 
 - Two deployments, ``prefill`` and ``decode`` (fleet_replicas.EngineReplica): each replica one
   ``AsyncLLM`` engine with its role's ``KVTransferConfig``, placed on a node that carries the
   role's custom resource (``ray start --resources='{"prefill": 1}'``) when the cluster has one.
 - The ingress (fleet_replicas.ingress_app): the P/D proxy's two stages (disagg/proxy.py, the same
   code), the OpenAI endpoints, ``--api-key``, ``GET /fleet``.
+- The KV path across nodes: ``ZmqPullConnector`` (decode pulls from the prefill node);
+  ``RedisStoreConnector``: the store at ``--kv-store-url``, else one the fleet starts and stops
+  (fleet_store.py: redis-server on this node's address; ``--secure`` gives it a random password
+  only the replicas get, as it gives the replicas a key only the ingress holds);
+  ``SharedStorageConnector``: a folder every node mounts. ``GET /fleet`` names the store.
 - One application-level autoscaling policy sizes both roles together from the load each replica
   reports (disagg/autoscale.py). Ray Serve takes it only from an application *config*
   (``autoscaling_policy`` in ``ServeApplicationSchema``), so the fleet deploys itself as a config
@@ -17,7 +23,8 @@ Ray Serve application.
 
 ``MIN:MAX`` per role; one number is a fixed count. Without ``--address`` a local Ray instance is
 started (and stopped at exit); with it the fleet joins a running cluster and, at exit, deletes only
-its own application (and Serve, when it started Serve). Ctrl-C or SIGTERM stops the fleet.
+its own application (and Serve, when it started Serve). Ctrl-C or SIGTERM stops the fleet, its
+own KV store included.
 """
 from __future__ import annotations
 
@@ -55,7 +62,9 @@ class FleetConfig:
     node_ip: bool = True               # bind the node's address (False: 127.0.0.1, one machine)
     api_keys: list = field(default_factory=list)       # the ingress's clients' keys
     backend_api_key: Optional[str] = None              # the ingress's key for the replicas
-    kv_store_url: Optional[str] = None
+    secure: bool = False               # a random backend_api_key (unless given), a store password
+    kv_store_url: Optional[str] = None  # a store the user runs; None: the fleet starts one
+    kv_store_actor: str = ""           # the fleet's own store (the replicas ask it its password)
     shared_storage_path: Optional[str] = None
     kv_extra_config: dict = field(default_factory=dict)
     metrics_interval_s: float = 0.5
@@ -108,6 +117,8 @@ class Fleet:
     _started_ray: bool = False
     _started_serve: bool = False
     _state: Any = None
+    _store: Any = None
+    kv_store: dict = field(default_factory=dict)     # the fleet's own store: url, pid, password
     _owned_dirs: list = field(default_factory=list)
 
     def view(self) -> dict:
@@ -125,16 +136,23 @@ class Fleet:
         from ray import serve
         if not ray.is_initialized():
             return
+        from minivllm.disagg.fleet_store import stop_store
         try:
             serve.delete(APP)                 # every replica drains (EngineReplica.__del__)
             if self._started_serve:
                 serve.shutdown()
-            ray.kill(self._state)
         finally:
-            if self._started_ray:
-                ray.shutdown()
-            for d in self._owned_dirs:
-                shutil.rmtree(d, ignore_errors=True)
+            try:
+                if self._store is not None:   # after the replicas: no one uses it any more
+                    stop_store(self._store)
+                    self._store = None
+                if self._state is not None:
+                    ray.kill(self._state)
+            finally:
+                if self._started_ray:
+                    ray.shutdown()
+                for d in self._owned_dirs:
+                    shutil.rmtree(d, ignore_errors=True)
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -148,6 +166,17 @@ def parse_range(text: str) -> tuple[int, int]:
     return bounds
 
 
+def check_config(config: FleetConfig) -> None:
+    """Refuse what no replica could run, before Ray starts."""
+    from minivllm.distributed.kv_transfer.redis_store_connector import URL_SCHEMES
+    if config.kv_connector not in CONNECTORS:
+        raise ValueError(f"kv_connector must be one of {CONNECTORS}, got {config.kv_connector!r}.")
+    if config.kv_store_url and config.kv_connector != "RedisStoreConnector":
+        raise ValueError(f"--kv-store-url is RedisStoreConnector's, not {config.kv_connector}'s.")
+    if config.kv_store_url and not config.kv_store_url.startswith(URL_SCHEMES):
+        raise ValueError(f"--kv-store-url must start with one of {URL_SCHEMES}.")
+
+
 def start_fleet(config: FleetConfig, targets: FleetTargets = FleetTargets(), port: int = 0,
                 host: str = "127.0.0.1", address: Optional[str] = None,
                 startup_timeout: float = 300.0) -> Fleet:
@@ -158,12 +187,11 @@ def start_fleet(config: FleetConfig, targets: FleetTargets = FleetTargets(), por
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
+    from minivllm.disagg import fleet_store
     from minivllm.disagg.launch import free_port
-    if config.kv_connector not in CONNECTORS:
-        raise ValueError(f"kv_connector must be one of {CONNECTORS}, got {config.kv_connector!r}.")
-    if config.kv_connector == "RedisStoreConnector" and not config.kv_store_url:
-        raise ValueError("RedisStoreConnector in a fleet needs --kv-store-url redis://HOST:PORT, "
-                         "a store every node reaches (python -m minivllm.kvstore --host ...).")
+    check_config(config)
+    if config.secure and not config.backend_api_key:
+        config.backend_api_key = secrets.token_urlsafe(24)
     fleet = Fleet("", config, targets)
     if config.kv_connector == "SharedStorageConnector" and not config.shared_storage_path:
         config.shared_storage_path = tempfile.mkdtemp(prefix="minivllm-fleet-kv-")
@@ -185,10 +213,17 @@ def start_fleet(config: FleetConfig, targets: FleetTargets = FleetTargets(), por
         from minivllm.disagg.fleet_replicas import FleetState
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        # On this (the driver's) node: the membership outlives any other node leaving.
+        # On this (the driver's) node: the membership and the store outlive any other node leaving.
+        if fleet_store.needs_own_store(config.kv_connector, config.kv_store_url):
+            fleet._store, fleet.kv_store = fleet_store.start_store(
+                config.secure, config.node_ip, here, NAMESPACE)
+            config.kv_store_url, config.kv_store_actor = fleet.kv_store["url"], fleet.kv_store["name"]
+        kv_view = fleet_store.describe(config.kv_connector, config.kv_store_url,
+                                       fleet._store is not None, bool(fleet.kv_store.get("password")),
+                                       config.shared_storage_path)
         fleet._state = ray.remote(FleetState).options(
             name=config.state_actor, namespace=NAMESPACE, num_cpus=0,
-            scheduling_strategy=here).remote(bounds)
+            scheduling_strategy=here).remote(bounds, kv_view)
         try:
             _get_global_client(raise_if_no_controller_running=True)
         except Exception:                                  # noqa: BLE001  no Serve yet
@@ -242,8 +277,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key", nargs="+", default=None,
                     help="clients must send it (default: $VLLM_API_KEY, $MINIVLLM_API_KEY)")
     ap.add_argument("--secure", action="store_true",
-                    help="the replicas require a random key that only the ingress holds")
-    ap.add_argument("--kv-store-url", default=None, help="RedisStoreConnector: the store's URL")
+                    help="the replicas require a random key that only the ingress holds; the "
+                         "fleet's own KV store a random password that only the replicas get")
+    ap.add_argument("--kv-store-url", default=None,
+                    help="RedisStoreConnector: a store you run (redis://[:PASSWORD@]HOST:PORT/0); "
+                         "default: the fleet starts one on this node and stops it at exit")
     ap.add_argument("--shared-storage-path", default=None,
                     help="SharedStorageConnector: a folder every node mounts")
     ap.add_argument("--prefill-target-queued-tokens", type=int,
@@ -277,7 +315,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                          server_args=args.server_args.split(),
                          replica_num_cpus=args.replica_num_cpus,
                          api_keys=api_keys_from(args.api_key),
-                         backend_api_key=secrets.token_urlsafe(24) if args.secure else None,
+                         secure=args.secure,
                          kv_store_url=args.kv_store_url,
                          shared_storage_path=args.shared_storage_path)
     stop = {"now": False}

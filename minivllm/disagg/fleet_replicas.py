@@ -32,8 +32,9 @@ class FleetState:
     start draining; a replica that died without leaving is dropped by ``prune`` (its actor no
     longer answers). The policy appends one record per Serve control-loop tick."""
 
-    def __init__(self, bounds: dict) -> None:
+    def __init__(self, bounds: dict, kv_store: Any = None) -> None:
         self.bounds = bounds                              # {"prefill": [min, max], ...}
+        self.kv_store = kv_store                          # fleet_store.describe: no password
         self.members: dict = {r: {} for r in ROLES}       # role -> {replica: (url, actor)}
         self.decisions: collections.deque = collections.deque(maxlen=5000)
         self.events: collections.deque = collections.deque(maxlen=1000)
@@ -71,6 +72,7 @@ class FleetState:
         out: dict = {r: {"replicas": len(self.members[r]), "min": self.bounds[r][0],
                          "max": self.bounds[r][1], "metrics": latest.get("metrics", {}).get(r, {})}
                      for r in ROLES}
+        out["kv_store"] = self.kv_store
         out["decisions"] = [{k: d[k] for k in ("time", "prefill", "decode", "reason")}
                             for d in list(self.decisions)[-last:]]
         return out
@@ -99,8 +101,9 @@ def engine_load(async_llm: Any, last: dict) -> dict:
     return out
 
 
-def kv_transfer_config(role: str, config: dict, host: str) -> dict:
-    """This replica's ``KVTransferConfig`` (as JSON) for the fleet's connector."""
+def kv_transfer_config(role: str, config: dict, host: str, password: Any = None) -> dict:
+    """This replica's ``KVTransferConfig`` (as JSON) for the fleet's connector; ``password``:
+    the fleet's own Redis store's (fleet_store.FleetStore.password)."""
     name = config["kv_connector"]
     kv = {"kv_connector": name, "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
           "kv_connector_extra_config": dict(config.get("kv_extra_config") or {})}
@@ -109,6 +112,8 @@ def kv_transfer_config(role: str, config: dict, host: str) -> dict:
         extra.update(side_channel_host=host, side_channel_port=0)   # D pulls from this node
     elif name == "RedisStoreConnector":
         extra["url"] = config["kv_store_url"]
+        if password:
+            extra["password"] = password
     elif name == "SharedStorageConnector":
         path = config["shared_storage_path"]
         if not os.path.exists(os.path.join(path, MARKER)):
@@ -138,7 +143,11 @@ class EngineReplica:
         threads = max(1, int(config["replica_num_cpus"]))
         torch.set_num_threads(threads)
         host = ray.util.get_node_ip_address() if config.get("node_ip") else "127.0.0.1"
-        kv = kv_transfer_config(role, config, host)
+        password = None
+        if config.get("kv_store_actor"):     # asked of the actor: never in Serve's app config
+            store = ray.get_actor(config["kv_store_actor"], namespace=NAMESPACE)
+            password = ray.get(store.password.remote())
+        kv = kv_transfer_config(role, config, host, password)
         args = make_arg_parser().parse_args(
             ["--model", config["model"], "--seed", str(config["seed"]), "--num-threads",
              str(threads), "--kv-transfer-config", json.dumps(kv), *config["server_args"]])

@@ -27,7 +27,6 @@ from minivllm import trace
 
 if TYPE_CHECKING:
     from minivllm.config import KVTransferConfig, VllmConfig
-    from minivllm.core.sched.output import SchedulerOutput
     from minivllm.forward_context import ForwardContext
     from minivllm.request import Request
 
@@ -185,9 +184,11 @@ class KVConnectorBase_V1:
         first); ``num_external_tokens``: the count ``get_num_new_matched_tokens`` returned."""
         raise NotImplementedError
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         """Scheduler, end of ``schedule()`` (article step "Build metadata object"): what the worker
-        must load / store this step. Must not modify ``scheduler_output``; resets per-step state."""
+        must load / store this step. ``scheduler_output``: the step's ``SchedulerOutput``
+        (core/sched/output.py, a layer above this one: annotated ``Any`` so that the connector
+        never imports the scheduler). Must not modify it; resets per-step state."""
         raise NotImplementedError
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

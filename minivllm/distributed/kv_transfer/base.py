@@ -112,17 +112,15 @@ class KVConnectorBase_V1:
         return {}
 
     # ------------------------------------------------------------------ worker side
+    @recorded
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Worker, before the forward: keep this step's metadata (from ``SchedulerOutput``)."""
         self._connector_metadata = connector_metadata
-        if trace.is_recording():
-            describe = getattr(connector_metadata, "describe", None)
-            self._record("bind_connector_metadata", args=describe() if describe else None)
 
+    @recorded
     def clear_connector_metadata(self) -> None:
         """Worker, after the forward (always, even when it raised): forget this step's metadata."""
         self._connector_metadata = None
-        self._record("clear_connector_metadata")
 
     def has_connector_metadata(self) -> bool:
         """Worker, in every attention layer: are there per-layer hooks to run this step?"""

@@ -2,7 +2,8 @@
 that only a KV connector exercises: the asynchronous-load path of the waiting loop (parking a
 request whose load is asynchronous in ``WAITING_FOR_REMOTE_KVS``, ``_start_async_load``; taking it
 up again from ``kv_holding_waiting`` once the load landed, ``schedule_kv_holding`` and
-``_update_waiting_for_remote_kv``), failed loads (``_handle_invalid_blocks``), the worker's finished
+``_update_waiting_for_remote_kv``), failed loads (``_handle_invalid_blocks``: its work is in
+failed_loads.py, read only once a load fails), the worker's finished
 transfers (``_update_from_kv_xfer_finished``), and the delayed free of finished requests whose
 blocks a transfer still uses (``_delay_or_free``). A mixin of ``Scheduler``, kept apart so that the
 scheduling loops read in one sitting, the synchronous path straight through; what it uses of the
@@ -15,8 +16,8 @@ the request in ``finished_sending`` (P in the pull model: D reads P's blocks aft
 (b) an asynchronous load still writes into them, until ``finished_recving`` (an abort while
 ``WAITING_FOR_REMOTE_KVS``; the scheduler does this for every connector).
 Step records: ``"delay_free"`` (req_id, reasons, block_ids) when a finished request keeps its
-blocks, ``"delayed_free_done"`` (req_id, reason, block_ids) when they are freed at last, and
-``"kv_load_failed"`` (req_id, policy) when ``kv_load_failure_policy="fail"`` ends a request.
+blocks, ``"delayed_free_done"`` (req_id, reason, block_ids) when they are freed at last (and
+``"kv_load_failed"``: failed_loads.py).
 """
 from __future__ import annotations
 
@@ -102,49 +103,20 @@ class KVTransferMixin(SchedulerState):
     # ------------------------------------------------------------------ failed loads, transfers
     def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:
         """External KV that failed to load after it was counted as computed (vLLM's
-        ``_handle_invalid_blocks``): cut each affected request back to its first invalid block so
-        the next step recomputes from there; its output this step was computed on bad KV.
-        Returns the affected ids (running ones and asynchronous loads)."""
-        affected = set()
-        for req_id, target in list(self.waiting_for_remote_kvs.items()):   # async loads
-            block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
-            bad = [i for i, b in enumerate(block_ids[:cdiv(target, self.block_size)])
-                   if b in invalid_block_ids]
-            if bad:
-                self.waiting_for_remote_kvs[req_id] = min(target, bad[0] * self.block_size)
-                affected.add(req_id)
-        for request in self.running:
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]
-            num_blocks = cdiv(request.num_computed_tokens, self.block_size)
-            bad = [i for i, b in enumerate(block_ids[:num_blocks]) if b in invalid_block_ids]
-            if not bad:
-                continue
-            valid = bad[0] * self.block_size
-            lost = request.num_computed_tokens - valid
-            request.num_computed_tokens = valid
-            request.num_cached_tokens = min(request.num_cached_tokens, valid)
-            request.num_external_computed_tokens = max(
-                0, request.num_external_computed_tokens - lost)
-            affected.add(request.request_id)
-        return affected
+        ``_handle_invalid_blocks``): each affected request is cut back to its first invalid block.
+        In failed_loads.py, read only once a load has failed. Returns the affected ids."""
+        from minivllm.core.sched.failed_loads import handle_invalid_blocks
+        return handle_invalid_blocks(self, invalid_block_ids)
 
     def _kv_load_failure_policy(self) -> str:
         ktc = self.vllm_config.kv_transfer_config
         return ktc.kv_load_failure_policy if ktc is not None else "recompute"
 
     def _finish_failed_loads(self, req_ids: set[str]) -> list[tuple[Request, list[int]]]:
-        """``kv_load_failure_policy="fail"`` (vLLM 0.32's default): a request whose external KV
-        did not load finishes with ``FINISHED_ERROR`` and no new tokens; an asynchronous load keeps
-        its blocks until the worker reports it (``_free_request``)."""
-        outputs = []
-        for req_id in sorted(req_ids):
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished():
-                continue
-            trace.record("kv_load_failed", req_id=req_id, policy="fail")
-            self.finish_requests([req_id], RequestStatus.FINISHED_ERROR)
-            outputs.append((request, []))
-        return outputs
+        """``kv_load_failure_policy="fail"``: the requests whose KV did not load finish with
+        ``FINISHED_ERROR`` (failed_loads.py)."""
+        from minivllm.core.sched.failed_loads import finish_failed_loads
+        return finish_failed_loads(self, req_ids)
 
     def _computed_block_ids(self, request: Request) -> list[int]:
         """The blocks that hold the request's computed tokens (vLLM passes

@@ -2,12 +2,13 @@
 that only a KV connector exercises: the asynchronous-load path of the waiting loop (parking a
 request whose load is asynchronous in ``WAITING_FOR_REMOTE_KVS``, ``_start_async_load``; taking it
 up again from ``kv_holding_waiting`` once the load landed, ``schedule_kv_holding`` and
-``_update_waiting_for_remote_kv``), failed loads (``_handle_invalid_blocks``: its work is in
-failed_loads.py, read only once a load fails), the worker's finished
-transfers (``_update_from_kv_xfer_finished``), and the delayed free of finished requests whose
-blocks a transfer still uses (``_delay_or_free``). A mixin of ``Scheduler``, kept apart so that the
+``_update_waiting_for_remote_kv``), failed loads (``_handle_invalid_blocks``), the worker's
+finished transfers (``_update_from_kv_xfer_finished``), and the delayed free of finished requests
+whose blocks a transfer still uses (``_delay_or_free``). A mixin of ``Scheduler``, kept apart so that the
 scheduling loops read in one sitting, the synchronous path straight through; what it uses of the
-scheduler is declared in ``SchedulerState`` (utils.py).
+scheduler is declared in ``SchedulerState`` (utils.py). Beside it, read only when needed (the
+article's examples never need them): kv_holding.py, the queue's scan once a request waits there;
+failed_loads.py, once a worker reports a failed load.
 
 Delayed free (vLLM's ``_free_request`` / ``_update_from_kv_xfer_finished``): a finished request
 leaves ``running`` / ``waiting`` at once, but its blocks and its ``requests`` entry stay while
@@ -21,7 +22,6 @@ blocks, ``"delayed_free_done"`` (req_id, reason, block_ids) when they are freed 
 """
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 from minivllm import trace
@@ -57,48 +57,13 @@ class KVTransferMixin(SchedulerState):
 
     def schedule_kv_holding(self, scheduled: ScheduledRequests) -> bool:
         """vLLM 0.32's ``kv_holding_waiting`` queue, scanned before ``waiting``: the requests whose
-        asynchronous load was started. One still loading is skipped (the scan goes on); once the
-        worker reported its load, its loaded tokens are computed and their blocks allocated, so it
-        needs no lookup, only slots for the rest of its prompt (vLLM: "WAITING reqs have
-        num_computed_tokens > 0 after async KV recvs are completed"). A load whose first block
-        failed starts over in ``waiting``, lookup included. Returns False when a request found no
-        room: then no waiting request is scheduled this step either, as in vLLM."""
-        skipped: deque[Request] = deque()
-        fits = True
-        while (self.kv_holding_waiting and scheduled.token_budget > 0
-               and len(self.running) < self.max_num_running_reqs):
-            request = self.kv_holding_waiting[0]
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                if not self._update_waiting_for_remote_kv(request):
-                    skipped.append(self.kv_holding_waiting.popleft())
-                    continue
-                request.status = (RequestStatus.PREEMPTED if request.num_preemptions
-                                  else RequestStatus.WAITING)
-            if request.num_computed_tokens == 0:
-                self.waiting.appendleft(self.kv_holding_waiting.popleft())
-                continue
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
-            if 0 < self.long_prefill_token_threshold < num_new_tokens:
-                num_new_tokens = self.long_prefill_token_threshold
-            if not self.enable_chunked_prefill and num_new_tokens > scheduled.token_budget:
-                fits = False
-                break
-            num_new_tokens = min(num_new_tokens, scheduled.token_budget)
-            new_blocks = self._allocate_and_update_state(
-                request, num_new_tokens=num_new_tokens, num_new_local_computed_tokens=0,
-                new_computed_blocks=None, num_external_computed_tokens=0,
-                num_lookahead_tokens=self.num_lookahead_tokens)
-            if new_blocks is None:
-                fits = False
-                break
-            self.kv_holding_waiting.popleft()
-            loaded = ComputedTokens(
-                new_computed_blocks=None, num_new_local_computed_tokens=0,
-                num_external_computed_tokens=0, num_computed_tokens=request.num_computed_tokens,
-                load_kv_async=False)   # computed by the load: no lookup, nothing external now
-            self._add_to_running(request, scheduled, num_new_tokens, loaded)
-        self.kv_holding_waiting.extendleft(reversed(skipped))
-        return fits
+        asynchronous load was started, scheduled once their load landed (kv_holding.py, read only
+        when the queue is not empty). Returns False when one found no room: then no waiting
+        request is scheduled this step either, as in vLLM."""
+        if not self.kv_holding_waiting:
+            return True
+        from minivllm.core.sched.kv_holding import schedule_kv_holding
+        return schedule_kv_holding(self, scheduled)
 
     # ------------------------------------------------------------------ failed loads, transfers
     def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:

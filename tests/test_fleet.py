@@ -64,6 +64,14 @@ def _complete(fleet, prompt, max_tokens=8, **kw):
     return r.json()
 
 
+def _deployed_config_text():
+    """Everything Serve shows of its applications (``serve config``, the dashboard read this)."""
+    from ray.serve.context import _get_global_client
+    details = _get_global_client().get_serve_details()
+    assert details["applications"]["minivllm-fleet"]["deployed_app_config"]["args"]["config"]
+    return json.dumps(details, default=str)
+
+
 def _wait(fleet, pred, timeout):
     deadline = time.monotonic() + timeout
     view = fleet.view()
@@ -72,6 +80,44 @@ def _wait(fleet, pred, timeout):
         time.sleep(0.25)
         view = fleet.view()
     return view
+
+
+def test_redis_store_fleet_across_nodes_with_its_own_secured_store(cluster, tiny_chat_dir):
+    """``RedisStoreConnector`` without ``kv_store_url``: the fleet starts the store on this node's
+    address, with a random password under ``secure``; prefill (head node) writes the KV there and
+    decode (the other node) reads it. First in the module: Serve runs one fleet at a time."""
+    import os
+
+    import redis
+
+    from minivllm import LLM, SamplingParams
+    config = FleetConfig(model=tiny_chat_dir, kv_connector="RedisStoreConnector", secure=True,
+                         replica_num_cpus=1, api_keys=[KEY],
+                         server_args=["--max-model-len", "1024"])
+    f = start_fleet(config, FleetTargets(1, 1, 1, 1), startup_timeout=180)
+    try:
+        store = f.kv_store
+        assert store["password"] and "@" not in store["url"] and config.backend_api_key
+        shown = _deployed_config_text()          # the random keys live in FleetState only
+        assert config.backend_api_key not in shown and KEY not in shown
+        assert not store["url"].startswith("redis://127.0.0.1")      # the node's address
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(store["url"], socket_timeout=5).ping()
+        prompts = [f"Request {i}: the quick brown fox number {i * 7} jumps over the lazy dog, "
+                   "then it runs back across the green field to its den" for i in range(4)]
+        got = [_complete(f, p)["choices"][0]["text"] for p in prompts]
+        want = [o.outputs[0].text for o in LLM(model=tiny_chat_dir, seed=0, max_model_len=1024)
+                .generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
+        assert got == want
+        view = httpx.get(f.url + "/fleet", headers=AUTH, timeout=30).json()["kv_store"]
+        assert view == {"connector": "RedisStoreConnector", "url": store["url"], "path": None,
+                        "started_by_fleet": True, "password": True}
+        password = ray.get(f._store.password.remote())
+        with redis.Redis.from_url(store["url"], password=password, socket_timeout=5) as client:
+            assert client.keys("mv:*") and client.info("stats")["keyspace_hits"] > 0
+    finally:
+        f.stop()
+    assert not os.path.exists(f"/proc/{store['pid']}")          # Redis stopped with the fleet
 
 
 def test_greedy_outputs_equal_one_instance(fleet):
@@ -105,6 +151,25 @@ def test_openai_surface_streaming_auth_and_400s(fleet):
     view = httpx.get(fleet.url + "/fleet", headers=AUTH, timeout=30).json()
     assert view["prefill"]["replicas"] >= 1 and view["decode"]["min"] == 1
     assert view["decisions"] and {"time", "prefill", "decode", "reason"} <= set(view["decisions"][-1])
+
+
+def test_keys_stay_out_of_serve_and_a_running_serve_keeps_its_port(fleet):
+    """The replicas' key and the clients' key are nowhere in what Serve shows, yet the replicas
+    require the one the ingress asked of FleetState. A second fleet asking the running Serve for
+    another port is refused before it starts anything; the running fleet is untouched."""
+    from minivllm.disagg.fleet_config import FleetConfigError
+    shown = _deployed_config_text()
+    assert "internal-key" not in shown and KEY not in shown
+    decode = ray.get(fleet._state.urls.remote())["decode"][0]
+    assert httpx.get(decode + "/v1/models", timeout=30).status_code == 401
+    assert httpx.get(decode + "/v1/models", timeout=30,
+                     headers={"Authorization": "Bearer internal-key"}).status_code == 200
+    port = int(fleet.url.rsplit(":", 1)[1])
+    before = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    with pytest.raises(FleetConfigError, match=f"127.0.0.1:{port}.*--port {port + 1}"):
+        start_fleet(FleetConfig(model=fleet.config.model), port=port + 1)
+    assert {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)} == before
+    assert _complete(fleet, "still here", 4)["choices"][0]["text"] is not None
 
 
 def _load_until(fleet, stop, errors, prompt, max_tokens):

@@ -1,5 +1,7 @@
 """The fleet's autoscaling policy (minivllm/disagg/autoscale.py) on recorded metric series, without
-Ray; and the fleet command without Ray installed."""
+Ray; the fleet command without Ray installed; the fleet's config checks, the Serve config it deploys
+and the HTTP options it takes (disagg/fleet_config.py); its KV store's pure parts
+(disagg/fleet_store.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -102,3 +104,76 @@ def test_shared_storage_is_refused_where_the_folder_is_not_seen(tmp_path):
     assert kv["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path)
     zmq = kv_transfer_config("prefill", {"kv_connector": "ZmqPullConnector"}, "10.0.0.1")
     assert zmq["kv_connector_extra_config"]["side_channel_host"] == "10.0.0.1"
+
+
+def test_config_checks_and_the_own_store_decision():
+    from minivllm.disagg.fleet import FleetConfig, check_config
+    from minivllm.disagg.fleet_store import needs_own_store
+    check_config(FleetConfig("m", "RedisStoreConnector"))            # the fleet starts the store
+    check_config(FleetConfig("m", "RedisStoreConnector", kv_store_url="redis://h:6379/0"))
+    with pytest.raises(ValueError, match="kv_connector must be one of"):
+        check_config(FleetConfig("m", "NixlConnector"))
+    with pytest.raises(ValueError, match="RedisStoreConnector's, not ZmqPullConnector's"):
+        check_config(FleetConfig("m", "ZmqPullConnector", kv_store_url="redis://h:6379/0"))
+    with pytest.raises(ValueError, match="must start with one of"):
+        check_config(FleetConfig("m", "RedisStoreConnector", kv_store_url="http://h:6379"))
+    assert needs_own_store("RedisStoreConnector", None)
+    assert not needs_own_store("RedisStoreConnector", "redis://h:6379/0")   # the user's store
+    assert not needs_own_store("ZmqPullConnector", None)
+
+
+def test_store_url_warning_and_view_never_show_a_password():
+    from minivllm.disagg.fleet_replicas import kv_transfer_config
+    from minivllm.disagg.fleet_store import describe, store_url, unguarded_warning
+    assert store_url("10.0.0.1", 6379) == "redis://10.0.0.1:6379/0"
+    assert store_url("fd00::1", 6379) == "redis://[fd00::1]:6379/0"
+    with pytest.raises(ValueError, match="TCP port"):
+        store_url("10.0.0.1", 0)
+    assert "without a password" in unguarded_warning("10.0.0.1", None)
+    assert unguarded_warning("10.0.0.1", "pw") is None and unguarded_warning("127.0.0.1", None) is None
+    view = describe("RedisStoreConnector", "redis://:s3cret@10.0.0.1:6379/0", password=True)
+    assert view["url"] == "redis://:***@10.0.0.1:6379/0" and "s3cret" not in str(view)
+    config = {"kv_connector": "RedisStoreConnector", "kv_store_url": "redis://10.0.0.1:6379/0"}
+    extra = kv_transfer_config("decode", config, "10.0.0.2", "pw")["kv_connector_extra_config"]
+    assert extra == {"url": "redis://10.0.0.1:6379/0", "password": "pw"}
+    assert "password" not in kv_transfer_config("prefill", config, "h")["kv_connector_extra_config"]
+
+
+def test_the_deployed_config_carries_no_key():
+    """Serve keeps the application config in Ray's GCS and shows it (``serve config``): the keys
+    go to FleetState (``fleet_keys``), not into the ``ServeDeploySchema`` the fleet deploys."""
+    import json
+    from dataclasses import asdict
+
+    from minivllm.disagg.fleet_config import (APP, SECRETS, FleetConfig, app_config,
+                                              fleet_keys)
+    config = FleetConfig("m", "RedisStoreConnector", api_keys=["client-key-1"],
+                         backend_api_key="backend-key-2", secure=True, state_actor="fleet-state-x")
+    app = app_config(config, T)
+    assert "client-key-1" not in json.dumps(app) and "backend-key-2" not in json.dumps(app)
+    assert set(app["args"]["config"]) == set(asdict(config)) - set(SECRETS)
+    assert app["args"]["targets"] == asdict(T) and app["name"] == APP
+    assert app["autoscaling_policy"]["policy_kwargs"]["state_actor"] == "fleet-state-x"
+    assert fleet_keys(config) == {"api_keys": ["client-key-1"], "backend_api_key": "backend-key-2"}
+    schema = pytest.importorskip("ray.serve.schema")     # pydantic only: no Ray starts
+    deployed = schema.ServeDeploySchema(applications=[app]).model_dump_json()
+    assert "backend-key-2" not in deployed and "client-key-1" not in deployed
+    assert '"model":"m"' in deployed.replace(" ", "")
+
+
+def test_a_running_serve_keeps_its_http_options():
+    """Serve applies ``http_options`` only when it starts: joining a cluster whose Serve runs, the
+    ingress is on that Serve's host and port; asking for others is an error naming them."""
+    from minivllm.disagg.fleet import _parser
+    from minivllm.disagg.fleet_config import FleetConfigError, http_options
+    assert http_options(None, None, None) == {"host": "127.0.0.1", "port": 8000}
+    assert http_options("0.0.0.0", 0, None) == {"host": "0.0.0.0", "port": 0}   # 0: a free one
+    running = {"host": "0.0.0.0", "port": 8000}
+    for host, port in ((None, None), (None, 0), ("0.0.0.0", 8000), (None, 8000)):
+        assert http_options(host, port, running) == running
+    with pytest.raises(FleetConfigError, match=r"0\.0\.0\.0:8000.*--port 8004.*--port 8000"):
+        http_options(None, 8004, running)
+    with pytest.raises(FleetConfigError, match="--host 127.0.0.1 --port 8004"):
+        http_options("127.0.0.1", 8004, running)
+    text = " ".join(_parser().format_help().split())
+    assert "already runs" in text and "an error naming them" in text

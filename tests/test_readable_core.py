@@ -82,7 +82,7 @@ ARTICLE_EXAMPLES = {
               "'num_speculative_tokens': 3}\n"
               "LLM(model=MODEL, skip_tokenizer_init=True, speculative_config=spec).generate("
               "[{'prompt_token_ids': [1, 2, 3, 1, 2, 3, 1, 2]}], "
-              "SamplingParams(temperature=0.8, top_p=0.95), use_tqdm=False)\n", 3935),
+              "SamplingParams(temperature=0.8, top_p=0.95), use_tqdm=False)\n", 3847),
     "pd": ("import tempfile\n"
            "from minivllm.config import KVTransferConfig\n"
            "ktc = KVTransferConfig(kv_connector='SharedStorageConnector', kv_role='kv_both', "
@@ -90,7 +90,7 @@ ARTICLE_EXAMPLES = {
            "prompt = {'prompt_token_ids': list(range(1, 40))}\n"
            "for n in (1, 8):\n"
            "    LLM(model=MODEL, skip_tokenizer_init=True, kv_transfer_config=ktc).generate("
-           "[prompt], SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)\n", 4400),
+           "[prompt], SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)\n", 4294),
 }
 
 
@@ -131,9 +131,12 @@ def test_article_examples_load_few_lines(example, tiny_llama_dir, warm_route_cac
 # plain F.linear), in code lines of every minivllm module they import (code_stats.reading_path;
 # `python tests/code_stats.py` lists them). 4,331 before the instrumentation left the article's
 # functions, 4,358 after, 4,366 with suffix decoding's four options; 4,350 once the later methods'
-# option checks moved beside the configuration (speculative_options.py, loaded only for them). The
-# goal is 3,800. A ratchet: lower it when the path gets shorter, never raise it.
-READING_PATH_CEILING = 4350
+# option checks moved beside the configuration (speculative_options.py, loaded only for them);
+# 4,244 once the scheduler's and the connector's code for asynchronous loads, failed loads, races
+# and step records moved beside them (kv_holding.py, failed_loads.py, storage_race.py,
+# schedule_record.py, kv_cache_record.py: loaded only when needed). The goal is 3,800. A ratchet:
+# lower it when the path gets shorter, never raise it.
+READING_PATH_CEILING = 4244
 
 
 def test_reading_path_ratchet(tiny_llama_dir):

@@ -110,6 +110,19 @@ def test_out_of_range_options_name_the_field(tiny_llama_dir, field, value, allow
             speculative_config={"method": "suffix", field: value})
 
 
+def test_the_server_refuses_an_out_of_range_option_at_start(tiny_llama_dir, capsys):
+    """The server's speculative config is fixed at start (vLLM's ``--speculative-config``; no
+    request can change it): a bad option stops ``serve`` with a usage error naming the field,
+    before anything listens."""
+    from minivllm.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", tiny_llama_dir, "--port", "0", "--speculative-config",
+              '{"method": "suffix", "suffix_decoding_min_token_prob": 1.5}'])
+    assert e.value.code == 2
+    assert "speculative_config.suffix_decoding_min_token_prob must be in [0, 1]" in \
+        capsys.readouterr().err
+
+
 def test_suffix_takes_no_draft_model(tiny_llama_dir):
     with pytest.raises(ValueError, match="method 'suffix' .* takes no 'model'"):
         SpeculativeConfig(method="suffix", model=tiny_llama_dir)

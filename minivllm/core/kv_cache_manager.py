@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Optional
 
 from minivllm.core.block_pool import BlockPool
 from minivllm.core.kv_cache_utils import BlockHash, KVCacheBlock, KVCacheBlocks
@@ -232,12 +232,3 @@ class KVCacheManager:
 
     def create_kv_cache_blocks(self, blocks: list[KVCacheBlock]) -> KVCacheBlocks:
         return KVCacheBlocks((blocks,)) if blocks else self.create_empty_block_list()
-
-    def snapshot(self, request_ids: Optional[Iterable[str]] = None) -> dict[str, Any]:
-        """Plain-data view for the scheduler's ``"kv_cache"`` trace event: ``block_tables``
-        {req_id: [block ids]} (every request holding blocks if ``request_ids`` is None) plus the pool's
-        snapshot (free_block_ids in eviction order, cached_block_ids, num_free_blocks, ref_cnts)."""
-        if request_ids is None:
-            request_ids = list(self.req_to_blocks)
-        block_tables = {rid: [b.block_id for b in self.req_to_blocks.get(rid, [])] for rid in request_ids}
-        return {"block_tables": block_tables, **self.block_pool.snapshot()}

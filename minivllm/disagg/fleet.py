@@ -4,20 +4,30 @@ Ray Serve application.
 
     python -m minivllm.disagg.fleet --prefill 1:3 --decode 1:3 --kv-connector ZmqPullConnector \\
         --port 8004 [--address auto|HOST:PORT] [--secure] [--model M]
+    python -m minivllm.disagg.fleet --kv-connector RedisStoreConnector --secure ...
 
 - Two deployments, ``prefill`` and ``decode`` (fleet_replicas.EngineReplica): each replica one
   ``AsyncLLM`` engine with its role's ``KVTransferConfig``, placed on a node that carries the
   role's custom resource (``ray start --resources='{"prefill": 1}'``) when the cluster has one.
-- The ingress (fleet_replicas.ingress_app): the P/D proxy's two stages (disagg/proxy.py, the same
+- The ingress (fleet_replicas.FleetIngress): the P/D proxy's two stages (disagg/proxy.py, the same
   code), the OpenAI endpoints, ``--api-key``, ``GET /fleet``.
+- The KV path across nodes: ``ZmqPullConnector`` (decode pulls from the prefill node);
+  ``RedisStoreConnector``: the store at ``--kv-store-url``, else one the fleet starts and stops
+  (fleet_store.py: redis-server on this node's address; ``--secure`` gives it a random password
+  only the replicas get, as it gives the replicas a key only the ingress holds; no key is written
+  into Serve's application config: the ingress and the replicas ask ``FleetState``, fleet_config.py);
+  ``SharedStorageConnector``: a folder every node mounts. ``GET /fleet`` names the store.
 - One application-level autoscaling policy sizes both roles together from the load each replica
   reports (disagg/autoscale.py). Ray Serve takes it only from an application *config*
   (``autoscaling_policy`` in ``ServeApplicationSchema``), so the fleet deploys itself as a config
-  whose ``import_path`` is ``fleet_app`` below.
+  whose ``import_path`` is ``fleet_app`` below (fleet_config.app_config).
 
 ``MIN:MAX`` per role; one number is a fixed count. Without ``--address`` a local Ray instance is
 started (and stopped at exit); with it the fleet joins a running cluster and, at exit, deletes only
-its own application (and Serve, when it started Serve). Ctrl-C or SIGTERM stops the fleet.
+its own application (and Serve, when it started Serve). Where Serve already runs, the ingress is on
+that Serve's HTTP host and port (Serve fixes them when it starts): a ``--port`` or ``--host`` that
+differs is refused with the running ones named. Ctrl-C or SIGTERM stops the fleet, its own KV store
+included.
 """
 from __future__ import annotations
 
@@ -31,45 +41,23 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from minivllm.disagg.autoscale import FleetTargets
+from minivllm.disagg.fleet_config import (APP, CONNECTORS, FleetConfig,  # noqa: F401  re-exported
+                                          FleetConfigError, app_config, check_config, fleet_keys,
+                                          http_options, parse_range)
 from minivllm.disagg.fleet_replicas import MARKER, NAMESPACE, ROLES
 
-APP = "minivllm-fleet"
-CONNECTORS = ("ZmqPullConnector", "RedisStoreConnector", "SharedStorageConnector")
 INSTALL = 'the fleet runs on Ray Serve, which is not installed: pip install "minivllm[fleet]"'
-POLICY = "minivllm.disagg.autoscale:FleetAutoscalingPolicy"
-
-
-@dataclass
-class FleetConfig:
-    """Everything a replica needs (sent to every node as the application's ``args``)."""
-    model: str
-    kv_connector: str = "ZmqPullConnector"
-    seed: int = 0
-    server_args: list = field(default_factory=list)    # extra ``minivllm serve`` flags
-    replica_num_cpus: float = 1.0      # Ray's logical CPUs per engine replica = its torch threads
-    by_role: bool = True               # place replicas by the nodes' ``prefill``/``decode`` resource
-    node_ip: bool = True               # bind the node's address (False: 127.0.0.1, one machine)
-    api_keys: list = field(default_factory=list)       # the ingress's clients' keys
-    backend_api_key: Optional[str] = None              # the ingress's key for the replicas
-    kv_store_url: Optional[str] = None
-    shared_storage_path: Optional[str] = None
-    kv_extra_config: dict = field(default_factory=dict)
-    metrics_interval_s: float = 0.5
-    look_back_period_s: float = 1.0
-    refresh_s: float = 0.25            # how stale the ingress's view of the replicas may be
-    drain_timeout_s: float = 60.0      # a replica's drain at most (then Serve stops it anyway)
-    state_actor: str = ""
 
 
 def fleet_app(args: dict):
     """The application builder Serve imports from the config (``import_path``)."""
     from ray import serve
 
-    from minivllm.disagg.fleet_replicas import EngineReplica, ingress_app
+    from minivllm.disagg.fleet_replicas import EngineReplica, FleetIngress
     config, targets = args["config"], FleetTargets(**args["targets"])
     replicas = []
     for role in ROLES:
@@ -87,15 +75,11 @@ def fleet_app(args: dict):
             graceful_shutdown_timeout_s=config["drain_timeout_s"] + 10,
             graceful_shutdown_wait_loop_s=0.5).bind(role, config))
 
-    def build():     # evaluated on the ingress replica (serve.ingress takes a builder)
-        return ingress_app(config)
-
-    class FleetIngress:
-        def __init__(self, *_replicas: Any) -> None:   # bound so that they belong to the app
-            pass
-    ingress = serve.deployment(serve.ingress(build)(FleetIngress), name="ingress",
+    # Late-bound (``serve.ingress()``): the ingress builds its app once it runs, after it has
+    # asked FleetState for the keys (fleet_replicas.FleetIngress).
+    ingress = serve.deployment(serve.ingress()(FleetIngress), name="ingress",
                                num_replicas=1, ray_actor_options={"num_cpus": 0})
-    return ingress.bind(*replicas)
+    return ingress.bind(config, *replicas)
 
 
 @dataclass
@@ -107,7 +91,10 @@ class Fleet:
     api_key: Optional[str] = None
     _started_ray: bool = False
     _started_serve: bool = False
+    _deployed: bool = False            # only then does stop() delete the application
     _state: Any = None
+    _store: Any = None
+    kv_store: dict = field(default_factory=dict)     # the fleet's own store: url, pid, password
     _owned_dirs: list = field(default_factory=list)
 
     def view(self) -> dict:
@@ -125,45 +112,43 @@ class Fleet:
         from ray import serve
         if not ray.is_initialized():
             return
+        from minivllm.disagg.fleet_store import stop_store
         try:
-            serve.delete(APP)                 # every replica drains (EngineReplica.__del__)
+            if self._deployed:
+                serve.delete(APP)             # every replica drains (EngineReplica.__del__)
             if self._started_serve:
                 serve.shutdown()
-            ray.kill(self._state)
         finally:
-            if self._started_ray:
-                ray.shutdown()
-            for d in self._owned_dirs:
-                shutil.rmtree(d, ignore_errors=True)
+            try:
+                if self._store is not None:   # after the replicas: no one uses it any more
+                    stop_store(self._store)
+                    self._store = None
+                if self._state is not None:
+                    ray.kill(self._state)
+            finally:
+                if self._started_ray:
+                    ray.shutdown()
+                for d in self._owned_dirs:
+                    shutil.rmtree(d, ignore_errors=True)
 
 
-def parse_range(text: str) -> tuple[int, int]:
-    lo, _, hi = str(text).partition(":")
-    try:
-        bounds = (int(lo), int(hi or lo))
-    except ValueError:
-        raise ValueError(f"a role's size is MIN:MAX or N, got {text!r}.") from None
-    if not 0 <= bounds[0] <= bounds[1] or bounds[1] < 1:
-        raise ValueError(f"need 0 <= MIN <= MAX and MAX >= 1, got {text!r}.")
-    return bounds
-
-
-def start_fleet(config: FleetConfig, targets: FleetTargets = FleetTargets(), port: int = 0,
-                host: str = "127.0.0.1", address: Optional[str] = None,
-                startup_timeout: float = 300.0) -> Fleet:
-    """Start (or join, ``address``) Ray, start Serve, deploy the fleet, wait until it answers."""
+def start_fleet(config: FleetConfig, targets: FleetTargets = FleetTargets(),
+                port: Optional[int] = 0, host: Optional[str] = None,
+                address: Optional[str] = None, startup_timeout: float = 300.0) -> Fleet:
+    """Start (or join, ``address``) Ray, start Serve, deploy the fleet, wait until it answers.
+    ``host``/``port``: the ingress's (None: 127.0.0.1, 8000; port 0: a free one); where Serve
+    already runs, its own, and others are a ``FleetConfigError`` (fleet_config.http_options)."""
     import httpx
     import ray
     from ray import serve
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
+    from minivllm.disagg import fleet_store
     from minivllm.disagg.launch import free_port
-    if config.kv_connector not in CONNECTORS:
-        raise ValueError(f"kv_connector must be one of {CONNECTORS}, got {config.kv_connector!r}.")
-    if config.kv_connector == "RedisStoreConnector" and not config.kv_store_url:
-        raise ValueError("RedisStoreConnector in a fleet needs --kv-store-url redis://HOST:PORT, "
-                         "a store every node reaches (python -m minivllm.kvstore --host ...).")
+    check_config(config)
+    if config.secure and not config.backend_api_key:
+        config.backend_api_key = secrets.token_urlsafe(24)
     fleet = Fleet("", config, targets)
     if config.kv_connector == "SharedStorageConnector" and not config.shared_storage_path:
         config.shared_storage_path = tempfile.mkdtemp(prefix="minivllm-fleet-kv-")
@@ -178,6 +163,14 @@ def start_fleet(config: FleetConfig, targets: FleetTargets = FleetTargets(), por
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
                  num_cpus=None if address else max(os.cpu_count() or 1, math.ceil(need)))
     try:
+        try:
+            http = _get_global_client(raise_if_no_controller_running=True).http_config
+            running = {"host": http.host, "port": http.port}
+        except Exception:                                  # noqa: BLE001  no Serve yet
+            running = None
+        http = http_options(host, port, running)           # refused before anything starts
+        http["port"] = http["port"] or free_port(http["host"])
+        fleet._started_serve = running is None
         resources = ray.cluster_resources()
         config.by_role = config.by_role and all(r in resources for r in ROLES)
         config.state_actor = config.state_actor or f"fleet-state-{uuid.uuid4().hex[:8]}"
@@ -185,23 +178,24 @@ def start_fleet(config: FleetConfig, targets: FleetTargets = FleetTargets(), por
         from minivllm.disagg.fleet_replicas import FleetState
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        # On this (the driver's) node: the membership outlives any other node leaving.
+        # On this (the driver's) node: the membership and the store outlive any other node leaving.
+        if fleet_store.needs_own_store(config.kv_connector, config.kv_store_url):
+            fleet._store, fleet.kv_store = fleet_store.start_store(
+                config.secure, config.node_ip, here, NAMESPACE)
+            config.kv_store_url, config.kv_store_actor = fleet.kv_store["url"], fleet.kv_store["name"]
+        kv_view = fleet_store.describe(config.kv_connector, config.kv_store_url,
+                                       fleet._store is not None, bool(fleet.kv_store.get("password")),
+                                       config.shared_storage_path)
+        # The keys go to the named actor, never into the application's config (fleet_config).
         fleet._state = ray.remote(FleetState).options(
             name=config.state_actor, namespace=NAMESPACE, num_cpus=0,
-            scheduling_strategy=here).remote(bounds)
-        try:
-            _get_global_client(raise_if_no_controller_running=True)
-        except Exception:                                  # noqa: BLE001  no Serve yet
-            fleet._started_serve = True
-        port = port or free_port(host)
-        serve.start(http_options={"host": host, "port": port})
-        policy = {"policy_function": POLICY, "policy_kwargs": {
-            **asdict(targets), "state_actor": config.state_actor, "namespace": NAMESPACE}}
-        app = {"name": APP, "route_prefix": "/", "import_path": "minivllm.disagg.fleet:fleet_app",
-               "args": {"config": asdict(config), "targets": asdict(targets)},
-               "autoscaling_policy": policy}
-        _get_global_client().deploy_apps(ServeDeploySchema(applications=[app]))
-        fleet.url = f"http://{host}:{port}"
+            scheduling_strategy=here).remote(bounds, kv_view, fleet_keys(config))
+        if running is None:
+            serve.start(http_options=http)
+        fleet._deployed = True
+        _get_global_client().deploy_apps(
+            ServeDeploySchema(applications=[app_config(config, targets)]))
+        fleet.url = f"http://{http['host']}:{http['port']}"
         fleet.api_key = config.api_keys[0] if config.api_keys else None
         deadline = time.monotonic() + startup_timeout
         while True:
@@ -230,8 +224,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill", default="1:3", help="prefill replicas, MIN:MAX or N")
     ap.add_argument("--decode", default="1:3", help="decode replicas, MIN:MAX or N")
     ap.add_argument("--kv-connector", default="ZmqPullConnector", choices=CONNECTORS)
-    ap.add_argument("--port", type=int, default=8000, help="the ingress's port (Serve's HTTP)")
-    ap.add_argument("--host", default="127.0.0.1", help="the address the ingress binds")
+    ap.add_argument("--port", type=int, default=None,
+                    help="the ingress's port: Serve's HTTP proxy's (default 8000). Where Serve "
+                         "already runs on the cluster (--address), its HTTP options stay as they "
+                         "started: the ingress is on that Serve's host and port, and a different "
+                         "--port or --host is an error naming them")
+    ap.add_argument("--host", default=None, help="the address the ingress binds (default "
+                                                 "127.0.0.1; see --port)")
     ap.add_argument("--address", default=None,
                     help="join this Ray cluster (auto or HOST:PORT); default: a local Ray")
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -242,8 +241,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key", nargs="+", default=None,
                     help="clients must send it (default: $VLLM_API_KEY, $MINIVLLM_API_KEY)")
     ap.add_argument("--secure", action="store_true",
-                    help="the replicas require a random key that only the ingress holds")
-    ap.add_argument("--kv-store-url", default=None, help="RedisStoreConnector: the store's URL")
+                    help="the replicas require a random key that only the ingress holds; the "
+                         "fleet's own KV store a random password that only the replicas get")
+    ap.add_argument("--kv-store-url", default=None,
+                    help="RedisStoreConnector: a store you run (redis://[:PASSWORD@]HOST:PORT/0); "
+                         "default: the fleet starts one on this node and stops it at exit")
     ap.add_argument("--shared-storage-path", default=None,
                     help="SharedStorageConnector: a folder every node mounts")
     ap.add_argument("--prefill-target-queued-tokens", type=int,
@@ -277,7 +279,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                          server_args=args.server_args.split(),
                          replica_num_cpus=args.replica_num_cpus,
                          api_keys=api_keys_from(args.api_key),
-                         backend_api_key=secrets.token_urlsafe(24) if args.secure else None,
+                         secure=args.secure,
                          kv_store_url=args.kv_store_url,
                          shared_storage_path=args.shared_storage_path)
     stop = {"now": False}
@@ -292,6 +294,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                             address=args.address, startup_timeout=args.startup_timeout)
         signal.signal(signal.SIGTERM, on_signal)     # ray.init installed its own: ours again
         print(f"fleet: {fleet.url}   (GET {fleet.url}/fleet)")
+        if not fleet._started_serve:
+            print(f"fleet: Ray Serve was already running here: the ingress is on its HTTP proxy, "
+                  f"{fleet.url}", flush=True)
         view = fleet.view()
         view["decisions"] = view["decisions"][-1:]
         print("FLEET " + json.dumps(view), flush=True)
@@ -299,6 +304,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
+    except FleetConfigError as e:               # nothing started: say what to change
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
     finally:
         if fleet is not None:
             fleet.stop()

@@ -8,7 +8,9 @@ Nothing here imports ``ray`` at module level: ``fleet.py`` wraps these classes w
   functions) with its role's ``KVTransferConfig``, its OpenAI server on the node's address, and
   ``record_autoscaling_stats()``, the load Serve hands the policy (disagg/autoscale.py).
 - ``FleetProxy``: the P/D proxy (disagg/proxy.py) whose pools are the replicas registered now.
-- ``FleetState``: who serves (by role), and every policy decision with the metrics behind it.
+- ``FleetIngress``: the ingress deployment; it builds its app once it runs, with the keys.
+- ``FleetState``: who serves (by role), every policy decision with the metrics behind it, and the
+  fleet's keys (``keys()``), which never go into Serve's application config (fleet_config.py).
 """
 from __future__ import annotations
 
@@ -32,11 +34,18 @@ class FleetState:
     start draining; a replica that died without leaving is dropped by ``prune`` (its actor no
     longer answers). The policy appends one record per Serve control-loop tick."""
 
-    def __init__(self, bounds: dict) -> None:
+    def __init__(self, bounds: dict, kv_store: Any = None, keys: Any = None) -> None:
         self.bounds = bounds                              # {"prefill": [min, max], ...}
+        self.kv_store = kv_store                          # fleet_store.describe: no password
+        self._keys = dict(keys or {})                     # fleet_config.fleet_keys
         self.members: dict = {r: {} for r in ROLES}       # role -> {replica: (url, actor)}
         self.decisions: collections.deque = collections.deque(maxlen=5000)
         self.events: collections.deque = collections.deque(maxlen=1000)
+
+    def keys(self) -> dict:
+        """``{"api_keys": [...], "backend_api_key": str | None}``, asked once by the ingress and
+        each replica at start (an actor call: only Ray's control plane carries it)."""
+        return self._keys
 
     def register(self, role: str, replica: str, url: str, actor: Any) -> None:
         self.members[role][replica] = (url, actor)
@@ -71,6 +80,7 @@ class FleetState:
         out: dict = {r: {"replicas": len(self.members[r]), "min": self.bounds[r][0],
                          "max": self.bounds[r][1], "metrics": latest.get("metrics", {}).get(r, {})}
                      for r in ROLES}
+        out["kv_store"] = self.kv_store
         out["decisions"] = [{k: d[k] for k in ("time", "prefill", "decode", "reason")}
                             for d in list(self.decisions)[-last:]]
         return out
@@ -99,8 +109,9 @@ def engine_load(async_llm: Any, last: dict) -> dict:
     return out
 
 
-def kv_transfer_config(role: str, config: dict, host: str) -> dict:
-    """This replica's ``KVTransferConfig`` (as JSON) for the fleet's connector."""
+def kv_transfer_config(role: str, config: dict, host: str, password: Any = None) -> dict:
+    """This replica's ``KVTransferConfig`` (as JSON) for the fleet's connector; ``password``:
+    the fleet's own Redis store's (fleet_store.FleetStore.password)."""
     name = config["kv_connector"]
     kv = {"kv_connector": name, "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
           "kv_connector_extra_config": dict(config.get("kv_extra_config") or {})}
@@ -109,6 +120,8 @@ def kv_transfer_config(role: str, config: dict, host: str) -> dict:
         extra.update(side_channel_host=host, side_channel_port=0)   # D pulls from this node
     elif name == "RedisStoreConnector":
         extra["url"] = config["kv_store_url"]
+        if password:
+            extra["password"] = password
     elif name == "SharedStorageConnector":
         path = config["shared_storage_path"]
         if not os.path.exists(os.path.join(path, MARKER)):
@@ -138,12 +151,18 @@ class EngineReplica:
         threads = max(1, int(config["replica_num_cpus"]))
         torch.set_num_threads(threads)
         host = ray.util.get_node_ip_address() if config.get("node_ip") else "127.0.0.1"
-        kv = kv_transfer_config(role, config, host)
+        self.state = ray.get_actor(config["state_actor"], namespace=NAMESPACE)
+        backend_key = ray.get(self.state.keys.remote()).get("backend_api_key")
+        password = None
+        if config.get("kv_store_actor"):     # asked of the actor: never in Serve's app config
+            store = ray.get_actor(config["kv_store_actor"], namespace=NAMESPACE)
+            password = ray.get(store.password.remote())
+        kv = kv_transfer_config(role, config, host, password)
         args = make_arg_parser().parse_args(
             ["--model", config["model"], "--seed", str(config["seed"]), "--num-threads",
              str(threads), "--kv-transfer-config", json.dumps(kv), *config["server_args"]])
         self.async_llm = build_async_llm(args).start()
-        keys = (config["backend_api_key"],) if config.get("backend_api_key") else ()
+        keys = (backend_key,) if backend_key else ()
         app = server_app(self.async_llm, config.get("served_model_name") or config["model"], keys)
         port = free_port(host)
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
@@ -153,7 +172,6 @@ class EngineReplica:
             time.sleep(0.05)
         self.url = f"http://{host}:{port}"
         self.replica = serve.get_replica_context().replica_id.unique_id
-        self.state = ray.get_actor(config["state_actor"], namespace=NAMESPACE)
         ray.get(self.state.register.remote(role, self.replica, self.url,
                                            ray.get_runtime_context().current_actor))
 
@@ -215,13 +233,27 @@ class FleetProxy(DisaggProxy):
         self._read = time.monotonic()
 
 
-def ingress_app(config: dict):
+class FleetIngress:
+    """The ingress deployment (``serve.ingress()`` with no app: Serve calls
+    ``__serve_build_asgi_app__`` once the replica runs). The app is built then, after the keys have
+    been asked of ``FleetState``; the engine replicas are bound to it so they belong to the app."""
+
+    def __init__(self, config: dict, *_replicas: Any) -> None:
+        self.config = config
+
+    async def __serve_build_asgi_app__(self) -> Any:
+        import ray
+        state = ray.get_actor(self.config["state_actor"], namespace=NAMESPACE)
+        keys = await state.keys.remote()
+        return ingress_app(self.config, keys.get("api_keys") or (), keys.get("backend_api_key"))
+
+
+def ingress_app(config: dict, api_keys: Any = (), backend_api_key: Any = None):
     """The ingress's FastAPI app (built on the ingress replica): the proxy's routes, the same
-    validation, API key and ``X-Request-Id`` flow, plus ``GET /fleet`` and ``GET /fleet/records``."""
-    proxy = FleetProxy(config["state_actor"], config["refresh_s"],
-                       backend_api_key=config.get("backend_api_key"))
-    keys = tuple(config.get("api_keys") or ())     # resolved by the fleet command
-    app = build_app(proxy, keys, guarded=("/v1", "/proxy", "/fleet"))
+    validation, API key and ``X-Request-Id`` flow, plus ``GET /fleet`` and ``GET /fleet/records``.
+    ``api_keys``: the clients'; ``backend_api_key``: the replicas' (both from ``FleetState``)."""
+    proxy = FleetProxy(config["state_actor"], config["refresh_s"], backend_api_key=backend_api_key)
+    app = build_app(proxy, tuple(api_keys), guarded=("/v1", "/proxy", "/fleet"))
 
     @app.get("/fleet")
     async def fleet():

@@ -2,11 +2,13 @@
 that only a KV connector exercises: the asynchronous-load path of the waiting loop (parking a
 request whose load is asynchronous in ``WAITING_FOR_REMOTE_KVS``, ``_start_async_load``; taking it
 up again from ``kv_holding_waiting`` once the load landed, ``schedule_kv_holding`` and
-``_update_waiting_for_remote_kv``), failed loads (``_handle_invalid_blocks``), the worker's finished
-transfers (``_update_from_kv_xfer_finished``), and the delayed free of finished requests whose
-blocks a transfer still uses (``_delay_or_free``). A mixin of ``Scheduler``, kept apart so that the
+``_update_waiting_for_remote_kv``), failed loads (``_handle_invalid_blocks``), the worker's
+finished transfers (``_update_from_kv_xfer_finished``), and the delayed free of finished requests
+whose blocks a transfer still uses (``_delay_or_free``). A mixin of ``Scheduler``, kept apart so that the
 scheduling loops read in one sitting, the synchronous path straight through; what it uses of the
-scheduler is declared in ``SchedulerState`` (utils.py).
+scheduler is declared in ``SchedulerState`` (utils.py). Beside it, read only when needed (the
+article's examples never need them): kv_holding.py, the queue's scan once a request waits there;
+failed_loads.py, once a worker reports a failed load.
 
 Delayed free (vLLM's ``_free_request`` / ``_update_from_kv_xfer_finished``): a finished request
 leaves ``running`` / ``waiting`` at once, but its blocks and its ``requests`` entry stay while
@@ -15,12 +17,11 @@ the request in ``finished_sending`` (P in the pull model: D reads P's blocks aft
 (b) an asynchronous load still writes into them, until ``finished_recving`` (an abort while
 ``WAITING_FOR_REMOTE_KVS``; the scheduler does this for every connector).
 Step records: ``"delay_free"`` (req_id, reasons, block_ids) when a finished request keeps its
-blocks, ``"delayed_free_done"`` (req_id, reason, block_ids) when they are freed at last, and
-``"kv_load_failed"`` (req_id, policy) when ``kv_load_failure_policy="fail"`` ends a request.
+blocks, ``"delayed_free_done"`` (req_id, reason, block_ids) when they are freed at last (and
+``"kv_load_failed"``: failed_loads.py).
 """
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 from minivllm import trace
@@ -56,95 +57,31 @@ class KVTransferMixin(SchedulerState):
 
     def schedule_kv_holding(self, scheduled: ScheduledRequests) -> bool:
         """vLLM 0.32's ``kv_holding_waiting`` queue, scanned before ``waiting``: the requests whose
-        asynchronous load was started. One still loading is skipped (the scan goes on); once the
-        worker reported its load, its loaded tokens are computed and their blocks allocated, so it
-        needs no lookup, only slots for the rest of its prompt (vLLM: "WAITING reqs have
-        num_computed_tokens > 0 after async KV recvs are completed"). A load whose first block
-        failed starts over in ``waiting``, lookup included. Returns False when a request found no
-        room: then no waiting request is scheduled this step either, as in vLLM."""
-        skipped: deque[Request] = deque()
-        fits = True
-        while (self.kv_holding_waiting and scheduled.token_budget > 0
-               and len(self.running) < self.max_num_running_reqs):
-            request = self.kv_holding_waiting[0]
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                if not self._update_waiting_for_remote_kv(request):
-                    skipped.append(self.kv_holding_waiting.popleft())
-                    continue
-                request.status = (RequestStatus.PREEMPTED if request.num_preemptions
-                                  else RequestStatus.WAITING)
-            if request.num_computed_tokens == 0:
-                self.waiting.appendleft(self.kv_holding_waiting.popleft())
-                continue
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
-            if 0 < self.long_prefill_token_threshold < num_new_tokens:
-                num_new_tokens = self.long_prefill_token_threshold
-            if not self.enable_chunked_prefill and num_new_tokens > scheduled.token_budget:
-                fits = False
-                break
-            num_new_tokens = min(num_new_tokens, scheduled.token_budget)
-            new_blocks = self._allocate_and_update_state(
-                request, num_new_tokens=num_new_tokens, num_new_local_computed_tokens=0,
-                new_computed_blocks=None, num_external_computed_tokens=0,
-                num_lookahead_tokens=self.num_lookahead_tokens)
-            if new_blocks is None:
-                fits = False
-                break
-            self.kv_holding_waiting.popleft()
-            loaded = ComputedTokens(
-                new_computed_blocks=None, num_new_local_computed_tokens=0,
-                num_external_computed_tokens=0, num_computed_tokens=request.num_computed_tokens,
-                load_kv_async=False)   # computed by the load: no lookup, nothing external now
-            self._add_to_running(request, scheduled, num_new_tokens, loaded)
-        self.kv_holding_waiting.extendleft(reversed(skipped))
-        return fits
+        asynchronous load was started, scheduled once their load landed (kv_holding.py, read only
+        when the queue is not empty). Returns False when one found no room: then no waiting
+        request is scheduled this step either, as in vLLM."""
+        if not self.kv_holding_waiting:
+            return True
+        from minivllm.core.sched.kv_holding import schedule_kv_holding
+        return schedule_kv_holding(self, scheduled)
 
     # ------------------------------------------------------------------ failed loads, transfers
     def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:
         """External KV that failed to load after it was counted as computed (vLLM's
-        ``_handle_invalid_blocks``): cut each affected request back to its first invalid block so
-        the next step recomputes from there; its output this step was computed on bad KV.
-        Returns the affected ids (running ones and asynchronous loads)."""
-        affected = set()
-        for req_id, target in list(self.waiting_for_remote_kvs.items()):   # async loads
-            block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
-            bad = [i for i, b in enumerate(block_ids[:cdiv(target, self.block_size)])
-                   if b in invalid_block_ids]
-            if bad:
-                self.waiting_for_remote_kvs[req_id] = min(target, bad[0] * self.block_size)
-                affected.add(req_id)
-        for request in self.running:
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]
-            num_blocks = cdiv(request.num_computed_tokens, self.block_size)
-            bad = [i for i, b in enumerate(block_ids[:num_blocks]) if b in invalid_block_ids]
-            if not bad:
-                continue
-            valid = bad[0] * self.block_size
-            lost = request.num_computed_tokens - valid
-            request.num_computed_tokens = valid
-            request.num_cached_tokens = min(request.num_cached_tokens, valid)
-            request.num_external_computed_tokens = max(
-                0, request.num_external_computed_tokens - lost)
-            affected.add(request.request_id)
-        return affected
+        ``_handle_invalid_blocks``): each affected request is cut back to its first invalid block.
+        In failed_loads.py, read only once a load has failed. Returns the affected ids."""
+        from minivllm.core.sched.failed_loads import handle_invalid_blocks
+        return handle_invalid_blocks(self, invalid_block_ids)
 
     def _kv_load_failure_policy(self) -> str:
         ktc = self.vllm_config.kv_transfer_config
         return ktc.kv_load_failure_policy if ktc is not None else "recompute"
 
     def _finish_failed_loads(self, req_ids: set[str]) -> list[tuple[Request, list[int]]]:
-        """``kv_load_failure_policy="fail"`` (vLLM 0.32's default): a request whose external KV
-        did not load finishes with ``FINISHED_ERROR`` and no new tokens; an asynchronous load keeps
-        its blocks until the worker reports it (``_free_request``)."""
-        outputs = []
-        for req_id in sorted(req_ids):
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished():
-                continue
-            trace.record("kv_load_failed", req_id=req_id, policy="fail")
-            self.finish_requests([req_id], RequestStatus.FINISHED_ERROR)
-            outputs.append((request, []))
-        return outputs
+        """``kv_load_failure_policy="fail"``: the requests whose KV did not load finish with
+        ``FINISHED_ERROR`` (failed_loads.py)."""
+        from minivllm.core.sched.failed_loads import finish_failed_loads
+        return finish_failed_loads(self, req_ids)
 
     def _computed_block_ids(self, request: Request) -> list[int]:
         """The blocks that hold the request's computed tokens (vLLM passes

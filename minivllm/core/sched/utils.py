@@ -8,7 +8,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
-from minivllm import trace
 from minivllm.core.kv_cache_utils import KVCacheBlocks
 from minivllm.core.sched.output import CachedRequestData
 from minivllm.request import Request, RequestStatus
@@ -20,7 +19,8 @@ if TYPE_CHECKING:
 
 
 class SchedulerState:
-    """What the scheduler's mixins (waiting.py, kv_transfer.py) use of their host ``Scheduler``:
+    """What the scheduler's mixins (waiting.py, kv_transfer.py) and the functions beside them
+    (kv_holding.py, failed_loads.py) use of their host ``Scheduler``:
     its state, set in ``Scheduler.__init__``, and the methods one mixin calls on another.
     Declarations only, for the reader and the editor."""
     vllm_config: VllmConfig
@@ -41,6 +41,7 @@ class SchedulerState:
     finish_requests: Callable[[list[str], RequestStatus], None]
     _allocate_and_update_state: Callable[..., Optional[KVCacheBlocks]]
     _add_to_running: Callable[..., None]
+    _update_waiting_for_remote_kv: Callable[[Request], bool]
 
 class ComputedTokens(NamedTuple):
     """A waiting request's cache lookup (``Scheduler._get_computed_tokens``), in vLLM's names."""
@@ -132,20 +133,7 @@ def check_stop(request: Request, max_model_len: int,
 
 
 def record_schedule(scheduler: Any, so: Any, token_budget: int) -> None:
-    """The "schedule" and "kv_cache" step records (minivllm/trace.py) for one schedule() call."""
-    trace.record(
-        "schedule", num_scheduled_tokens=dict(so.num_scheduled_tokens),
-        scheduled_spec_decode_tokens={k: list(v) for k, v in
-                                      so.scheduled_spec_decode_tokens.items()},
-        preempted_req_ids=sorted(so.preempted_req_ids),
-        new_req_ids=[r.req_id for r in so.scheduled_new_reqs],
-        resumed_req_ids=sorted(so.scheduled_cached_reqs.resumed_req_ids),
-        total_num_scheduled_tokens=so.total_num_scheduled_tokens,
-        token_budget=scheduler.max_num_scheduled_tokens, token_budget_left=token_budget,
-        running=[r.request_id for r in scheduler.running],
-        waiting=[r.request_id for r in (*scheduler.kv_holding_waiting, *scheduler.waiting)],
-        statuses={r.request_id: r.status.name for r in scheduler.requests.values()})
-    ids = [r.request_id for r in scheduler.running]
-    snap = scheduler.kv_cache_manager.snapshot(ids)
-    snap["num_computed_tokens"] = {r.request_id: r.num_computed_tokens for r in scheduler.running}
-    trace.record("kv_cache", **snap)
+    """The "schedule" and "kv_cache" step records (minivllm/trace.py) for one schedule() call;
+    written by schedule_record.py, read only when a step is recorded."""
+    from minivllm.core.sched.schedule_record import record_schedule as record
+    record(scheduler, so, token_budget)

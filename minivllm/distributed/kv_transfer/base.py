@@ -27,7 +27,6 @@ from minivllm import trace
 
 if TYPE_CHECKING:
     from minivllm.config import KVTransferConfig, VllmConfig
-    from minivllm.core.sched.output import SchedulerOutput
     from minivllm.forward_context import ForwardContext
     from minivllm.request import Request
 
@@ -113,17 +112,15 @@ class KVConnectorBase_V1:
         return {}
 
     # ------------------------------------------------------------------ worker side
+    @recorded
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Worker, before the forward: keep this step's metadata (from ``SchedulerOutput``)."""
         self._connector_metadata = connector_metadata
-        if trace.is_recording():
-            describe = getattr(connector_metadata, "describe", None)
-            self._record("bind_connector_metadata", args=describe() if describe else None)
 
+    @recorded
     def clear_connector_metadata(self) -> None:
         """Worker, after the forward (always, even when it raised): forget this step's metadata."""
         self._connector_metadata = None
-        self._record("clear_connector_metadata")
 
     def has_connector_metadata(self) -> bool:
         """Worker, in every attention layer: are there per-layer hooks to run this step?"""
@@ -185,9 +182,11 @@ class KVConnectorBase_V1:
         first); ``num_external_tokens``: the count ``get_num_new_matched_tokens`` returned."""
         raise NotImplementedError
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         """Scheduler, end of ``schedule()`` (article step "Build metadata object"): what the worker
-        must load / store this step. Must not modify ``scheduler_output``; resets per-step state."""
+        must load / store this step. ``scheduler_output``: the step's ``SchedulerOutput``
+        (core/sched/output.py, a layer above this one: annotated ``Any`` so that the connector
+        never imports the scheduler). Must not modify it; resets per-step state."""
         raise NotImplementedError
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

@@ -33,12 +33,19 @@ def _start_load(c: Any, a: dict[str, Any], result: Any) -> dict[str, Any]:
     return {"args": {"layerwise": c._layerwise, "req_ids": [r.req_id for r, _ in c._loads]}}
 
 
+def _bind(c: Any, a: dict[str, Any], result: Any) -> dict[str, Any]:
+    describe = getattr(a["connector_metadata"], "describe", None)
+    return {"args": describe() if describe else None}
+
+
 DESCRIBE: dict[str, Callable[[Any, dict[str, Any], Any], dict[str, Any]]] = {
     "get_num_new_matched_tokens": _lookup,
     "update_state_after_alloc": _update_state,
     "build_connector_meta": lambda c, a, r: {"result": r.describe()},
     "request_finished": lambda c, a, r: {"req_id": a["request"].request_id, "result": r,
                                          "args": {"block_ids": list(a["block_ids"])}},
+    "bind_connector_metadata": _bind,
+    "clear_connector_metadata": lambda c, a, r: {},
     "register_kv_caches": lambda c, a, r: {"args": {name: list(t.shape)
                                                     for name, t in a["kv_caches"].items()}},
     "start_load_kv": _start_load,

@@ -23,7 +23,7 @@ import shutil
 import struct
 import tempfile
 import zlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from safetensors.torch import load as st_load
@@ -197,7 +197,7 @@ class FolderWriter:
             fh.write(data)
         self.layers[layer_name] = {"nbytes": len(data), "crc32": zlib.crc32(data)}
 
-    def commit(self, meta: dict[str, Any], final_is_valid) -> str:
+    def commit(self, meta: dict[str, Any], final_is_valid: Callable[[], bool]) -> str:
         """Write ``meta.json`` (plus the layer list) and publish; see ``commit_folder``."""
         try:
             with open(os.path.join(self.tmp, META_FILE), "w") as fh:
@@ -210,30 +210,16 @@ class FolderWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def commit_folder(tmp: str, final: str, final_is_valid) -> str:
-    """Publish ``tmp`` as ``final`` with one rename. Returns "committed", "exists" (another
-    producer won the race with a valid folder; ours is dropped) or "replaced" (an invalid
-    folder was in the way). Raises ``OSError`` only if publishing failed altogether."""
+def commit_folder(tmp: str, final: str, final_is_valid: Callable[[], bool]) -> str:
+    """Publish ``tmp`` as ``final`` with one rename: "committed". When a folder is already there,
+    ``storage_race.publish_over`` decides: "exists" (another producer won the race with a valid
+    folder; ours is dropped) or "replaced" (an invalid folder was in the way). Raises ``OSError``
+    only if publishing failed altogether."""
     try:
         os.rename(tmp, final)   # atomic; fails when final is a non-empty folder
         return "committed"
     except OSError:
         if not os.path.exists(final):
             raise
-    if final_is_valid():
-        shutil.rmtree(tmp, ignore_errors=True)
-        return "exists"
-    trash = f"{final}.old-{os.getpid()}-{os.urandom(4).hex()}"
-    try:
-        os.rename(final, trash)
-    except OSError:             # someone else moved it first: fine, try to put ours there
-        trash = None
-    try:
-        os.rename(tmp, final)
-    except OSError:             # a concurrent producer published first
-        shutil.rmtree(tmp, ignore_errors=True)
-        return "exists"
-    finally:
-        if trash:
-            shutil.rmtree(trash, ignore_errors=True)
-    return "replaced"
+    from minivllm.distributed.kv_transfer.storage_race import publish_over
+    return publish_over(tmp, final, final_is_valid)

@@ -155,7 +155,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         make_arg_parser().error(str(e))
     if args.model_tag is not None:
         args.model = args.model_tag
-    async_llm = build_async_llm(args)
+    try:
+        async_llm = build_async_llm(args)
+    except ValueError as e:   # a bad engine option: a usage error naming the field (exit 2)
+        make_arg_parser().error(str(e))
     name = args.served_model_name or args.model
     keys = api_keys_from(args.api_key)
     warn_if_open(args.host, keys)

@@ -53,7 +53,7 @@ PLACEHOLDER_TOKEN_ID = -1
 
 
 # ---------------------------------------------------------------------------------------------------
-# Plain-PyTorch references (same signatures as the ``*_triton`` launchers in rejection_kernels.py).
+# The torch loop (same signatures as the ``*_triton`` launchers in rejection_kernels.py).
 
 def accept_left_to_right(output_token_ids, rows, cu_num_draft_tokens, draft_token_ids, accepted,
                          recovered_token_ids, bonus_token_ids) -> None:
@@ -143,7 +143,7 @@ def race_random_sample(recover, random_sample, output_token_ids, num_draft_token
 def _kernels(backend: str) -> tuple:
     """(greedy sample, random sample) of ``backend``. "reference" is the article's rule as it reads
     (rejection_reference.py); "torch" and "triton" are vLLM's race. The Triton kernels are imported
-    only when asked for: a CPU run with the torch reference never loads Triton."""
+    only when asked for: a CPU run with the torch loop never loads Triton."""
     if backend == "reference":
         from minivllm.sample.rejection_reference import rejection_random_sample_reference
         return rejection_greedy_sample_torch, rejection_random_sample_reference
@@ -156,7 +156,7 @@ def _kernels(backend: str) -> tuple:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The random draws (torch only, shared by both backends).
+# The random draws (torch only, shared by every backend).
 
 def generate_uniform_probs(num_tokens: int, num_draft_tokens: list[int],
                            generators: dict[int, torch.Generator], device) -> torch.Tensor:

@@ -62,6 +62,26 @@ def find_redis_server() -> str:
     return exe
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def store_url(host: str, port: int, password: Optional[str] = None, scheme: str = "redis") -> str:
+    """``redis://[:PASSWORD@]HOST:PORT/0``, redis-py's form (an IPv6 address in brackets)."""
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"a TCP port is 1..65535, got {port!r}.")
+    cred = f":{urllib.parse.quote(password, safe='')}@" if password else ""
+    return f"{scheme}://{cred}{f'[{host}]' if ':' in host else host}:{port}/0"
+
+
+def unguarded_warning(host: str, password: Optional[str],
+                      fix: str = "pass --password-file FILE") -> Optional[str]:
+    """The warning for a store bound where other machines reach it with no password, else None."""
+    if password or host in LOOPBACK:
+        return None
+    return (f"the KV store binds {host} without a password: anyone who reaches that address can "
+            f"read or overwrite every prompt's KV; {fix}.")
+
+
 class RedisServer:
     """A ``redis-server`` child process, stopped by PID (``stop()``, or leaving a ``with`` block).
 
@@ -95,10 +115,10 @@ class RedisServer:
         return self.url_with(None)
 
     def url_with(self, password: Optional[str]) -> str:
-        cred = f":{urllib.parse.quote(password, safe='')}@" if password else ""
         if self.unix_socket is not None:
+            cred = f":{urllib.parse.quote(password, safe='')}@" if password else ""
             return f"unix://{cred}{self.unix_socket}"
-        return f"{'rediss' if self.tls else 'redis'}://{cred}{self.host}:{self.port}/0"
+        return store_url(self.host, self.port, password, "rediss" if self.tls else "redis")
 
     @property
     def pid(self) -> Optional[int]:
@@ -243,11 +263,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     except (RuntimeError, ValueError, TimeoutError) as e:
         print(f"python -m minivllm.kvstore: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
-    if password is None and args.port is not None and args.host not in ("127.0.0.1", "localhost",
-                                                                         "::1"):
-        print(f"warning: the KV store binds {args.host} without a password: anyone who can reach "
-              f"it can read or overwrite every prompt's KV; pass --password-file FILE.",
-              file=sys.stderr, flush=True)
+    if args.port is not None and (msg := unguarded_warning(args.host, password)) is not None:
+        print(f"warning: {msg}", file=sys.stderr, flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

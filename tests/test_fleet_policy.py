@@ -124,7 +124,8 @@ def test_config_checks_and_the_own_store_decision():
 
 def test_store_url_warning_and_view_never_show_a_password():
     from minivllm.disagg.fleet_replicas import kv_transfer_config
-    from minivllm.disagg.fleet_store import describe, store_url, unguarded_warning
+    from minivllm.disagg.fleet_store import describe
+    from minivllm.kvstore import store_url, unguarded_warning
     assert store_url("10.0.0.1", 6379) == "redis://10.0.0.1:6379/0"
     assert store_url("fd00::1", 6379) == "redis://[fd00::1]:6379/0"
     with pytest.raises(ValueError, match="TCP port"):

@@ -17,7 +17,7 @@ replica, on any node, reaches it at ``redis://HOST:PORT/0``.
   actor call crosses only Ray's own control plane, whose clients can already run code on every
   node. A file cannot carry it: the replicas' nodes do not share one.
 - Without ``--secure``, a store bound beyond 127.0.0.1 has no password: the fleet warns
-  (``unguarded_warning``), as ``python -m minivllm.kvstore`` does, and runs. It is the same
+  (``kvstore.unguarded_warning``), as ``python -m minivllm.kvstore`` does, and runs. It is the same
   posture as the replicas' HTTP servers, which also answer anyone without ``--secure``.
 
 Nothing here imports ``ray`` at module level (see ``fleet_replicas``).
@@ -29,23 +29,7 @@ import uuid
 import warnings
 from typing import Any, Optional
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def store_url(host: str, port: int) -> str:
-    """``redis://HOST:PORT/0`` (an IPv6 address in brackets), without a password."""
-    if not isinstance(port, int) or not 0 < port < 65536:
-        raise ValueError(f"a TCP port is 1..65535, got {port!r}.")
-    return f"redis://{f'[{host}]' if ':' in host else host}:{port}/0"
-
-
-def unguarded_warning(host: str, password: Optional[str]) -> Optional[str]:
-    """The warning for a store other machines can reach with no password, else None."""
-    if password or host in LOOPBACK:
-        return None
-    return (f"the fleet's KV store binds {host} without a password: anyone who reaches that "
-            "address can read or overwrite every prompt's KV; pass --secure (a random password "
-            "only the fleet's replicas get).")
+from minivllm.kvstore import RedisServer, unguarded_warning
 
 
 def needs_own_store(kv_connector: str, kv_store_url: Optional[str]) -> bool:
@@ -69,14 +53,13 @@ class FleetStore:
         import ray
 
         from minivllm.disagg.launch import free_port
-        from minivllm.kvstore import RedisServer
         host = ray.util.get_node_ip_address() if node_ip else "127.0.0.1"
         self._password = password
         self.server = RedisServer(port=free_port(host), host=host, password=password).start()
 
     def info(self) -> dict:
-        return {"url": store_url(self.server.host, self.server.port), "pid": self.server.pid,
-                "password": self._password is not None}
+        return {"url": self.server.url_without_password, "host": self.server.host,
+                "pid": self.server.pid, "password": self._password is not None}
 
     def password(self) -> Optional[str]:
         return self._password
@@ -100,8 +83,8 @@ def start_store(secure: bool, node_ip: bool, scheduling_strategy: Any,
     except BaseException:
         ray.kill(actor)
         raise
-    host = info["url"].split("//", 1)[1].rsplit(":", 1)[0].strip("[]")
-    if (msg := unguarded_warning(host, password)) is not None:
+    fix = "pass --secure (a random password only the fleet's replicas get)"
+    if (msg := unguarded_warning(info["host"], password, fix)) is not None:
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
     return actor, info
 

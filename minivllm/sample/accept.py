@@ -15,7 +15,7 @@ from minivllm.sample.metadata import SamplingMetadata
 
 if TYPE_CHECKING:   # annotations only: the drafts' metadata loads with speculative decoding
     from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
-from minivllm.sample.sampler import apply_min_p, apply_temperature, apply_top_k_top_p
+from minivllm.sample.sampler import apply_temperature, apply_top_k_top_p
 
 GREEDY_TEMPERATURE = 0.0
 
@@ -49,6 +49,7 @@ def apply_sampling_constraints(logits: torch.Tensor, metadata: SpecDecodeMetadat
     top_p = None if sampling_metadata.top_p is None else expand(sampling_metadata.top_p, cu, n, msl)
     logits = apply_temperature(logits, temperature)
     if sampling_metadata.min_p is not None:
+        from minivllm.sample.ops.builtin import apply_min_p
         logits = apply_min_p(logits, expand(sampling_metadata.min_p, cu, n, msl))
     return apply_top_k_top_p(logits, top_k, top_p)
 

@@ -9,7 +9,8 @@ One row per request in the batch (``[batch]``), in the order of the logits rows 
   random stream; that is what makes a seeded request reproducible whatever else is in the batch.
 
 The fields of vLLM 0.32's metadata for the logits processors (``sample/ops/``), filled in
-``processor_fields.py``; each is empty or ``None`` when no row uses it, so a plain batch pays nothing:
+``processor_fields.py``; each is empty or ``None`` when no row uses it, so a plain batch pays
+nothing:
 - ``min_tokens``: row index -> ``(min_tokens, num_output_tokens, stop_ids)`` for rows whose stop ids
   are still masked (``logits_processor.apply_min_tokens``; vLLM's ``MinTokensLogitsProcessor``).
 - ``presence_penalties``, ``frequency_penalties``, ``repetition_penalties``: ``[batch]`` float32, or

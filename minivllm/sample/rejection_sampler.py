@@ -136,7 +136,8 @@ class RejectionSampler(nn.Module):
     def forward(self, metadata: SpecDecodeMetadata, draft_probs: Optional[torch.Tensor],
                 target_logits: torch.Tensor, bonus_token_ids: torch.Tensor,
                 sampling_metadata: SamplingMetadata) -> torch.Tensor:
-        _check_inputs(metadata, draft_probs, target_logits, bonus_token_ids, sampling_metadata)
+        metadata.check_verify_inputs(draft_probs, target_logits, bonus_token_ids,
+                                     sampling_metadata)
         if draft_probs is not None:
             draft_probs = draft_probs.float()
         # Penalties, bias, masks and min_tokens on each draft's own output position, the earlier
@@ -168,18 +169,3 @@ class RejectionSampler(nn.Module):
         discard = set(discard_req_indices)
         return [[] if i in discard else [t for t in row if 0 <= t < vocab_size]
                 for i, row in enumerate(rows)]
-
-
-def _check_inputs(metadata, draft_probs, target_logits, bonus_token_ids, sampling_metadata) -> None:
-    num_tokens, batch = metadata.draft_token_ids.numel(), len(metadata.num_draft_tokens)
-    if target_logits.dim() != 2 or target_logits.shape[0] != num_tokens:
-        raise ValueError(f"target_logits must be [num_draft_tokens={num_tokens}, vocab], "
-                         f"got {tuple(target_logits.shape)}.")
-    if draft_probs is not None and draft_probs.shape != target_logits.shape:
-        raise ValueError(f"draft_probs must match target_logits {tuple(target_logits.shape)}, "
-                         f"got {tuple(draft_probs.shape)}.")
-    if bonus_token_ids.numel() != batch:
-        raise ValueError(f"bonus_token_ids must be [batch={batch}, 1], got {tuple(bonus_token_ids.shape)}.")
-    temperature = sampling_metadata.temperature
-    if not sampling_metadata.all_greedy and (temperature is None or temperature.numel() != batch):
-        raise ValueError(f"sampling_metadata.temperature must be [batch={batch}] unless all greedy.")

@@ -136,10 +136,10 @@ class SamplingParams:
     @property
     def needs_processor_fields(self) -> bool:
         """Whether ``SamplingMetadata`` needs this request's penalties, ``min_p``, logit bias,
-        allowed ids, bad words or logprobs (sample/processor_fields.py)."""
+        allowed ids, bad words, ``min_tokens`` or logprobs (sample/processor_fields.py)."""
         return not (self.no_penalties and self.min_p <= _SAMPLING_EPS and not self.logit_bias
                     and self.allowed_token_ids is None and not self._bad_words_token_ids
-                    and self.logprobs is None)
+                    and self.logprobs is None and self.min_tokens == 0)
 
     @property
     def all_stop_token_ids(self) -> set[int]:

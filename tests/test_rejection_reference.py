@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from minivllm.sample import rejection_kernels as K
-from minivllm.sample import rejection_sampler as R
+from minivllm.sample import rejection_torch as R
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from minivllm.sampling_params import SamplingParams

@@ -7,8 +7,9 @@ import torch
 from scipy.stats import chisquare
 
 from minivllm import trace
+from minivllm.sample import accept as A
 from minivllm.sample import rejection_kernels as K
-from minivllm.sample import rejection_sampler as R
+from minivllm.sample import rejection_torch as R
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 
@@ -264,9 +265,9 @@ def test_triton_kernels_equal_torch_on_random_inputs():
         assert torch.equal(outs[0], outs[1])
     temps = torch.tensor([0.0, 0.5, 2.0, 0.0, 1.0])
     for x, rf, rt in ((temps, 0.0, 1.0), (torch.tensor([0, 3, 1, 5, 2]), 0, 0)):
-        ref = R.expand_batch_to_tokens_torch(x, cu, n, msl, rf, rt)
+        ref = A.expand_batch_to_tokens_torch(x, cu, n, msl, rf, rt)
         assert torch.equal(ref, K.expand_batch_to_tokens_triton(x, cu, n, msl, rf, rt))
-    assert R.expand_batch_to_tokens_torch(temps, cu, n, msl, 0.0, 1.0).tolist() == \
+    assert A.expand_batch_to_tokens_torch(temps, cu, n, msl, 0.0, 1.0).tolist() == \
         [1.0] * 3 + [2.0] * 2 + [1.0] * 4 + [1.0]
 
 

@@ -9,7 +9,7 @@ from minivllm.sample import sampler as S
 from minivllm.sample.ops import processors
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.ops.bad_words import apply_bad_words
-from minivllm.sample.sampler import apply_min_p
+from minivllm.sample.ops.builtin import apply_min_p
 from minivllm.sample.ops.penalties import apply_all_penalties
 from minivllm.sample.rejection_sampler import RejectionSampler
 from minivllm.sample.sampler import Sampler, apply_logits_processors

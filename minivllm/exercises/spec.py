@@ -78,7 +78,7 @@ def _residual_reference_frequencies(p: torch.Tensor, q: torch.Tensor, draws: int
                                     seed: int = 0) -> torch.Tensor:
     """How often minivllm's rejection sampler recovers each token, over ``draws`` independent rows
     with this (p_target, p_draft); the rows share nothing but the two distributions."""
-    from minivllm.sample.rejection_sampler import sample_recovered_tokens_torch
+    from minivllm.sample.rejection_torch import sample_recovered_tokens_torch
     gen = torch.Generator().manual_seed(seed)
     vocab = p.numel()
     noise = torch.empty(draws, vocab, dtype=torch.float32).exponential_(generator=gen)

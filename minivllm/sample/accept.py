@@ -1,7 +1,9 @@
-"""The rejection sampler's accept rule and what it applies to the target's logits first
-(vllm/v1/sample/rejection_sampler.py: ``apply_logits_processors``, ``apply_sampling_constraints``),
-in a file of its own because two readers share them: ``rejection_sampler.py``, which accepts with
-them, and ``verify_record.py``, which records the same decisions for the trace and the notebooks.
+"""What the rejection sampler applies to the target's logits before it accepts
+(vllm/v1/sample/rejection_sampler.py: ``apply_logits_processors``, ``apply_sampling_constraints``)
+and which of its rows are greedy, in a file of its own because two readers share them:
+``rejection_sampler.py``, which accepts with them, and ``verify_record.py``, which records the same
+decisions for the trace and the notebooks. The random rows' accept test itself,
+``random_accept_mask``, is the torch backend's (rejection_torch.py); the record uses it too.
 """
 from __future__ import annotations
 
@@ -13,21 +15,9 @@ from minivllm.sample.metadata import SamplingMetadata
 
 if TYPE_CHECKING:   # annotations only: the drafts' metadata loads with speculative decoding
     from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
-from minivllm.sample.sampler import apply_min_p, apply_temperature, apply_top_k_top_p
+from minivllm.sample.sampler import apply_temperature, apply_top_k_top_p
 
 GREEDY_TEMPERATURE = 0.0
-
-
-def random_accept_mask(draft_token_ids, draft_probs, target_probs, uniform_probs) -> torch.Tensor:
-    """Per draft token: does it pass ``p_d > 0 and p_t / p_d >= u`` (float32 ratio, float64 compare)?
-    A -1 placeholder never passes."""
-    real = draft_token_ids >= 0
-    idx = draft_token_ids.long().clamp(min=0).unsqueeze(-1)
-    p_target = target_probs.gather(-1, idx).squeeze(-1)
-    if draft_probs is None:
-        return real & (p_target >= uniform_probs)
-    p_draft = draft_probs.gather(-1, idx).squeeze(-1)
-    return real & (p_draft > 0) & (p_target / p_draft >= uniform_probs)
 
 
 def _is_greedy(sampling_metadata: SamplingMetadata, batch_size: int, device) -> torch.Tensor:
@@ -59,6 +49,7 @@ def apply_sampling_constraints(logits: torch.Tensor, metadata: SpecDecodeMetadat
     top_p = None if sampling_metadata.top_p is None else expand(sampling_metadata.top_p, cu, n, msl)
     logits = apply_temperature(logits, temperature)
     if sampling_metadata.min_p is not None:
+        from minivllm.sample.ops.builtin import apply_min_p
         logits = apply_min_p(logits, expand(sampling_metadata.min_p, cu, n, msl))
     return apply_top_k_top_p(logits, top_k, top_p)
 

@@ -7,11 +7,12 @@ One row per request in the batch (``[batch]``), in the order of the logits rows 
 - ``generators``: row index -> ``torch.Generator`` for requests with a ``seed``. vLLM's input batch creates
   one generator per request when the request arrives and keeps it, so each step continues the same
   random stream; that is what makes a seeded request reproducible whatever else is in the batch.
+
+The fields of vLLM 0.32's metadata for the logits processors (``sample/ops/``), filled in
+``processor_fields.py``; each is empty or ``None`` when no row uses it, so a plain batch pays
+nothing:
 - ``min_tokens``: row index -> ``(min_tokens, num_output_tokens, stop_ids)`` for rows whose stop ids
   are still masked (``logits_processor.apply_min_tokens``; vLLM's ``MinTokensLogitsProcessor``).
-
-The fields of vLLM 0.32's metadata for the logits processors (``sample/ops/``); each is empty or
-``None`` when no row uses it, so a plain batch pays nothing:
 - ``presence_penalties``, ``frequency_penalties``, ``repetition_penalties``: ``[batch]`` float32, or
   all ``None`` (vLLM's ``no_penalties``); ``prompt_token_ids`` and ``output_token_ids`` (lists per
   row) are then filled: the penalties read them.
@@ -105,17 +106,12 @@ class SamplingMetadata:
             top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
         if output_token_ids is None:
             output_token_ids = [[] for _ in params]
-        min_tokens = {}
-        for i, p in enumerate(params):
-            done = num_output_tokens[i] if num_output_tokens is not None else len(output_token_ids[i])
-            if done < p.min_tokens and p.all_stop_token_ids:
-                min_tokens[i] = (p.min_tokens, done, sorted(p.all_stop_token_ids))
         md = cls(temperature=temperature, all_greedy=all_greedy, all_random=all_random,
-                 top_p=top_p, top_k=top_k, generators=generators, min_tokens=min_tokens,
+                 top_p=top_p, top_k=top_k, generators=generators,
                  # References, not copies: the ops only read them (vLLM's metadata does the same).
                  output_token_ids=list(output_token_ids),
                  spec_token_ids=None if spec_token_ids is None else list(spec_token_ids))
         if any(p.needs_processor_fields for p in params):   # vLLM 0.32's options (sample/ops/)
             from minivllm.sample.processor_fields import fill_logits_processor_fields
-            fill_logits_processor_fields(md, params, prompt_token_ids, device)
+            fill_logits_processor_fields(md, params, prompt_token_ids, num_output_tokens, device)
         return md

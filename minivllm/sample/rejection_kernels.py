@@ -1,7 +1,7 @@
 """Triton kernels of the rejection sampler, mirroring the kernels in vllm/v1/sample/rejection_sampler.py.
 
 Each kernel has a launcher here with the same signature as its plain-PyTorch reference in
-``minivllm/sample/rejection_sampler.py`` (``*_triton`` here, ``*_torch`` there); both write the same
+``minivllm/sample/rejection_torch.py`` (``*_triton`` here, ``*_torch`` there); both write the same
 numbers given the same inputs, including the random draws, which are made once in torch beforehand.
 
 Shapes: ``batch`` requests, ``num_tokens`` drafts in all, ``vocab`` entries.

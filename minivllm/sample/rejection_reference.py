@@ -68,7 +68,7 @@ def rejection_random_sample_reference(output_token_ids, num_draft_tokens, cu_num
     """The random rows of a batch, one request at a time by the rule above, with the rejection
     sampler's uniform draws (the tour's spec.7 shows them); a seeded request draws its recovered
     token with its own generator. ``output_token_ids`` ``[batch, max_spec_len + 1]`` int32, written
-    in place; the other arguments as in ``rejection_sampler.race_random_sample``."""
+    in place; the other arguments as in ``rejection_torch.race_random_sample``."""
     start = 0
     for i, (end, greedy) in enumerate(zip(cu_num_draft_tokens.tolist(), is_greedy.tolist())):
         if not greedy:

@@ -20,14 +20,14 @@ rejection_sampler.py ``draft_token_id < 0``) is always rejected, on greedy and r
 every backend, and its recovered token comes from ``p_target`` alone; no kernel reads a
 probability at index -1.
 
-The backends (``_kernels``): "reference" says the article's rule as it reads, one request at a
-time (``rejection_reference.py``; the tour's ``--plain``); "torch" and "triton" (the kernels in
+The backends (``_kernels``), each in a file of its own, imported when it first runs: "reference"
+says the article's rule as it reads, one request at a time (``rejection_reference.py``; the tour's
+``--plain``); "torch" (the torch loop, ``rejection_torch.py``) and "triton" (the kernels in
 ``rejection_kernels.py``) sample the residual by vLLM's exponential race (``race_random_sample``),
 so that their ids equal vLLM 0.32's from the same draws. The uniform draws are made here in torch,
 once, for every backend. The torch loop writes its output as the article does
 (``accept_left_to_right``: per request, left to right, stop at the first rejection), the loop each
-program of the Triton kernels runs. On a CPU it is also the fast path: at batch 1-32 and k 1-5 the
-plain loop over Python lists takes 8-37 us, a cumprod/scatter vectorisation 110-150 us.
+program of the Triton kernels runs, and on a CPU it is the fast path.
 """
 from __future__ import annotations
 
@@ -41,122 +41,34 @@ from torch import nn
 
 from minivllm import trace
 from minivllm.sample.accept import (_is_greedy, apply_draft_logits_processors,
-                                    apply_sampling_constraints, expand_batch_to_tokens_torch,
-                                    random_accept_mask)
+                                    apply_sampling_constraints)
 from minivllm.sample.metadata import SamplingMetadata
 
 if TYPE_CHECKING:   # annotations only: the drafts' metadata loads with speculative decoding
     from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
-from minivllm.sample.sampler import exponential_noise
 
 PLACEHOLDER_TOKEN_ID = -1
 
 
-# ---------------------------------------------------------------------------------------------------
-# The torch loop (same signatures as the ``*_triton`` launchers in rejection_kernels.py).
-
-def accept_left_to_right(output_token_ids, rows, cu_num_draft_tokens, draft_token_ids, accepted,
-                         recovered_token_ids, bonus_token_ids) -> None:
-    """Article step "accept/reject left to right", one request at a time (what one program of
-    ``rejection_*_sample_kernel`` does).
-
-    For each request in ``rows`` ([batch] bool), go over its drafts left to right: while
-    ``accepted[token]`` holds, the draft is output; at the first rejection the recovered token is
-    output there and the request stops; when nothing was rejected, the bonus token follows the last
-    draft. Every other slot keeps ``PLACEHOLDER_TOKEN_ID``.
-
-    ``accepted``, ``draft_token_ids``, ``recovered_token_ids``: ``[num_tokens]``;
-    ``output_token_ids`` ``[batch, max_spec_len + 1]`` int32, written in place.
-    """
-    # Plain Python lists: reading a tensor element by element costs microseconds each.
-    out = output_token_ids.tolist()
-    rows, cu, drafts, accepted, recovered, bonus = (t.tolist() for t in (
-        rows, cu_num_draft_tokens, draft_token_ids, accepted, recovered_token_ids,
-        bonus_token_ids.view(-1)))
-    start_idx = 0
-    for req_idx, end_idx in enumerate(cu):
-        if rows[req_idx]:
-            row = out[req_idx]
-            for pos, token_idx in enumerate(range(start_idx, end_idx)):
-                if not accepted[token_idx]:
-                    row[pos] = recovered[token_idx]
-                    break
-                row[pos] = drafts[token_idx]
-            else:
-                row[end_idx - start_idx] = bonus[req_idx]
-        start_idx = end_idx
-    output_token_ids.copy_(torch.tensor(out, dtype=torch.int32, device=output_token_ids.device)
-                           .view(output_token_ids.shape))
-
-
-def rejection_greedy_sample_torch(output_token_ids, cu_num_draft_tokens, draft_token_ids,
-                                  target_argmax, bonus_token_ids, is_greedy, max_spec_len) -> None:
-    """Greedy rows: a draft is accepted iff it is the target's argmax; at the first mismatch the
-    argmax is output instead (it counts as the recovered token)."""
-    accepted = draft_token_ids.long() == target_argmax.long()
-    accept_left_to_right(output_token_ids, is_greedy, cu_num_draft_tokens, draft_token_ids,
-                         accepted, target_argmax, bonus_token_ids)
-
-
-def rejection_random_sample_torch(output_token_ids, cu_num_draft_tokens, draft_token_ids, draft_probs,
-                                  target_probs, bonus_token_ids, recovered_token_ids, uniform_probs,
-                                  is_greedy, max_spec_len) -> None:
-    """Random rows: a draft is accepted iff ``u <= p_target / p_draft`` (``random_accept_mask``,
-    evaluated for every draft at once: one draft's test does not depend on the others)."""
-    accepted = random_accept_mask(draft_token_ids, draft_probs, target_probs, uniform_probs)
-    accept_left_to_right(output_token_ids, ~is_greedy, cu_num_draft_tokens, draft_token_ids,
-                         accepted, recovered_token_ids, bonus_token_ids)
-
-
-def sample_recovered_tokens_torch(cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, q,
-                                  max_spec_len) -> torch.Tensor:
-    real = (draft_token_ids >= 0).unsqueeze(-1)
-    idx = draft_token_ids.long().clamp(min=0).unsqueeze(-1)
-    if draft_probs is None:
-        prob = target_probs.scatter(-1, idx, 0.0)
-    else:
-        prob = (target_probs - draft_probs).clamp_min(0.0)
-    # A placeholder drafted nothing: its recovered token is drawn from p_target itself.
-    prob = torch.where(real, prob, target_probs)
-    counts = torch.diff(cu_num_draft_tokens.long(), prepend=cu_num_draft_tokens.new_zeros(1).long())
-    q_per_token = q.repeat_interleave(counts, dim=0, output_size=draft_token_ids.numel())
-    return (prob / q_per_token).argmax(dim=-1).to(draft_token_ids.dtype)
-
-
-def race_random_sample(recover, random_sample, output_token_ids, num_draft_tokens,
-                       cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs,
-                       bonus_token_ids, uniform_probs, is_greedy, generators) -> None:
-    """Random rows as vLLM 0.32 samples them, so that the ids equal vLLM's from the same draws
-    (conformance case d): every draft's recovered token is drawn up front by an exponential race,
-    ``argmax(residual / q)`` with ``q ~ Exp(1)`` per request, which picks token ``t`` with
-    probability ``residual(t) / sum(residual)``: the same distribution as the article's draw from
-    ``normalize(max(p_target - p_draft, 0))`` (rejection_reference.py), without normalising."""
-    max_spec_len = output_token_ids.shape[1] - 1
-    q = generate_recovery_noise(len(num_draft_tokens), target_probs.shape[-1], num_draft_tokens,
-                                generators, target_probs.device)
-    recovered = recover(cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, q,
-                        max_spec_len)
-    random_sample(output_token_ids, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs,
-                  bonus_token_ids, recovered, uniform_probs, is_greedy, max_spec_len)
-
-
 def _kernels(backend: str) -> tuple:
     """(greedy sample, random sample) of ``backend``. "reference" is the article's rule as it reads
-    (rejection_reference.py); "torch" and "triton" are vLLM's race. The Triton kernels are imported
-    only when asked for: a CPU run with the torch loop never loads Triton."""
+    (rejection_reference.py); "torch" and "triton" are vLLM's race (rejection_torch.py). Each
+    backend is imported only when it first runs: a run without drafts loads none, and a CPU run with
+    the torch loop never loads Triton."""
+    from minivllm.sample import rejection_torch as T
     if backend == "reference":
         from minivllm.sample.rejection_reference import rejection_random_sample_reference
-        return rejection_greedy_sample_torch, rejection_random_sample_reference
+        return T.rejection_greedy_sample_torch, rejection_random_sample_reference
     if backend == "torch":
-        return rejection_greedy_sample_torch, functools.partial(
-            race_random_sample, sample_recovered_tokens_torch, rejection_random_sample_torch)
+        return T.rejection_greedy_sample_torch, functools.partial(
+            T.race_random_sample, T.sample_recovered_tokens_torch, T.rejection_random_sample_torch)
     from minivllm.sample import rejection_kernels as K
     return K.rejection_greedy_sample_triton, functools.partial(
-        race_random_sample, K.sample_recovered_tokens_triton, K.rejection_random_sample_triton)
+        T.race_random_sample, K.sample_recovered_tokens_triton, K.rejection_random_sample_triton)
 
 
 # ---------------------------------------------------------------------------------------------------
-# The random draws (torch only, shared by every backend).
+# The uniform draws (torch only, shared by every backend; the race's noise is rejection_torch.py's).
 
 def generate_uniform_probs(num_tokens: int, num_draft_tokens: list[int],
                            generators: dict[int, torch.Generator], device) -> torch.Tensor:
@@ -168,13 +80,6 @@ def generate_uniform_probs(num_tokens: int, num_draft_tokens: list[int],
             if num_draft_tokens[i] > 0:
                 uniform_probs[starts[i]:starts[i + 1]].uniform_(generator=generator)
     return uniform_probs
-
-
-def generate_recovery_noise(batch_size: int, vocab_size: int, num_draft_tokens: list[int],
-                            generators: dict[int, torch.Generator], device) -> torch.Tensor:
-    """``q`` ``[batch, vocab]`` float32 Exp(1): one row per request, shared by all its positions."""
-    used = {i: g for i, g in generators.items() if num_draft_tokens[i] > 0}
-    return exponential_noise((batch_size, vocab_size), used, device)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -231,7 +136,8 @@ class RejectionSampler(nn.Module):
     def forward(self, metadata: SpecDecodeMetadata, draft_probs: Optional[torch.Tensor],
                 target_logits: torch.Tensor, bonus_token_ids: torch.Tensor,
                 sampling_metadata: SamplingMetadata) -> torch.Tensor:
-        _check_inputs(metadata, draft_probs, target_logits, bonus_token_ids, sampling_metadata)
+        metadata.check_verify_inputs(draft_probs, target_logits, bonus_token_ids,
+                                     sampling_metadata)
         if draft_probs is not None:
             draft_probs = draft_probs.float()
         # Penalties, bias, masks and min_tokens on each draft's own output position, the earlier
@@ -263,18 +169,3 @@ class RejectionSampler(nn.Module):
         discard = set(discard_req_indices)
         return [[] if i in discard else [t for t in row if 0 <= t < vocab_size]
                 for i, row in enumerate(rows)]
-
-
-def _check_inputs(metadata, draft_probs, target_logits, bonus_token_ids, sampling_metadata) -> None:
-    num_tokens, batch = metadata.draft_token_ids.numel(), len(metadata.num_draft_tokens)
-    if target_logits.dim() != 2 or target_logits.shape[0] != num_tokens:
-        raise ValueError(f"target_logits must be [num_draft_tokens={num_tokens}, vocab], "
-                         f"got {tuple(target_logits.shape)}.")
-    if draft_probs is not None and draft_probs.shape != target_logits.shape:
-        raise ValueError(f"draft_probs must match target_logits {tuple(target_logits.shape)}, "
-                         f"got {tuple(draft_probs.shape)}.")
-    if bonus_token_ids.numel() != batch:
-        raise ValueError(f"bonus_token_ids must be [batch={batch}, 1], got {tuple(bonus_token_ids.shape)}.")
-    temperature = sampling_metadata.temperature
-    if not sampling_metadata.all_greedy and (temperature is None or temperature.numel() != batch):
-        raise ValueError(f"sampling_metadata.temperature must be [batch={batch}] unless all greedy.")

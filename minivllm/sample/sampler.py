@@ -3,13 +3,14 @@
 ``Sampler()(logits [num_reqs, vocab] float32, sampling_metadata) -> [num_reqs] int64``, in vLLM
 0.32's order (``Sampler.forward``'s docstring there):
 
-1. the logprobs to return, when ``logprobs_mode`` is ``raw_*`` (``compute_logprobs``);
+1. the logprobs to return, when ``logprobs_mode`` is ``raw_*`` (``compute_logprobs``; here they are
+   taken after the draw, from the same logits: the processors never write into them);
 2. ``apply_logits_processors``: the allowed-token mask (``allowed_token_ids_mask``), bad words
    (``ops/bad_words.apply_bad_words``), ``min_tokens`` (``MinTokensLogitsProcessor``), logit bias
    (``LogitBiasLogitsProcessor``), then the penalties (``ops/penalties.apply_all_penalties``);
 3. ``sample``: greedy rows take the argmax (first index on ties); random rows are divided by their
-   temperature (``apply_temperature``), then min_p (``MinPLogitsProcessor``), top-k and top-p
-   (``apply_top_k_top_p``), and drawn from the softmax;
+   temperature (``apply_temperature``), then min_p (``MinPLogitsProcessor``, ops/builtin.py), top-k
+   and top-p (``apply_top_k_top_p``), and drawn from the softmax;
 4. the logprobs, ``processed_*`` taken from the logits the token was drawn from.
 
 The draw is the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)`` per vocabulary entry, which
@@ -51,14 +52,6 @@ def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
     return logits / temperature.unsqueeze(-1).to(logits.dtype)
 
 
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """vLLM's ``MinPLogitsProcessor.apply``: drop tokens whose probability is below ``min_p`` times
-    the row's largest. ``logits`` ``[rows, vocab]`` after temperature, ``min_p`` ``[rows]``."""
-    probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
 def apply_top_k_top_p(logits: torch.Tensor, k: Optional[torch.Tensor],
                       p: Optional[torch.Tensor]) -> torch.Tensor:
     """Mask logits [n, vocab] to -inf outside each row's top-k, then outside its top-p nucleus.
@@ -92,7 +85,8 @@ def process_logits(logits: torch.Tensor, sampling_metadata: SamplingMetadata) ->
     if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
         return logits
     logits = apply_temperature(logits, sampling_metadata.temperature)
-    if sampling_metadata.min_p is not None:
+    if sampling_metadata.min_p is not None:   # vLLM's MinPLogitsProcessor (ops/builtin.py)
+        from minivllm.sample.ops.builtin import apply_min_p
         logits = apply_min_p(logits, sampling_metadata.min_p)
     return apply_top_k_top_p(logits, sampling_metadata.top_k, sampling_metadata.top_p)
 
@@ -151,17 +145,16 @@ class Sampler(nn.Module):
     def sample_output(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata,
                       num_draft_tokens: Optional[list[int]] = None,
                       logprobs_mode: Optional[str] = None) -> SamplerOutput:
-        """vLLM's ``Sampler.forward``: steps 1-4 of the module docstring."""
+        """vLLM's ``Sampler.forward``: steps 2 and 3 of the module docstring, then, when a row
+        asked for logprobs, steps 1 and 4 (the raw ones after the draw: the logits processors never
+        write into ``logits``)."""
+        processed = apply_logits_processors(logits.float(), sampling_metadata, num_draft_tokens)
+        sampled, processed = self.sample(processed, sampling_metadata)
+        if sampling_metadata.max_num_logprobs is None:
+            return SamplerOutput(sampled)
+        from minivllm.sample.ops.logprobs import logprobs_to_return   # vLLM 0.32's (ops/logprobs.py)
         mode = logprobs_mode or self.logprobs_mode
-        wants_logprobs = sampling_metadata.max_num_logprobs is not None
-        if wants_logprobs:   # the numbers to return: vLLM 0.32's logprobs (ops/logprobs.py)
-            from minivllm.sample.ops.logprobs import compute_logprobs, logprobs_source
-        raw = logprobs_source(logits, mode) if wants_logprobs and mode.startswith("raw") else None
-        logits = apply_logits_processors(logits.float(), sampling_metadata, num_draft_tokens)
-        sampled, processed = self.sample(logits, sampling_metadata)
-        if wants_logprobs and raw is None:
-            raw = processed if mode == "processed_logits" else compute_logprobs(processed)
-        return SamplerOutput(sampled, raw)
+        return SamplerOutput(sampled, logprobs_to_return(logits, processed, mode))
 
     @staticmethod
     def sample(logits: torch.Tensor,

@@ -15,6 +15,8 @@ For a batch of ``batch`` requests with ``num_draft_tokens[i]`` drafts each (``nu
 ``max_spec_len = max(num_draft_tokens)`` is derived after construction unless given. The model
 runner fills the index tensors (``ModelRunner._calc_spec_decode_metadata``); ``make_dummy`` zeroes
 them, which is enough for the rejection sampler alone: it only reads the drafts and their counts.
+``check_verify_inputs`` holds the rejection sampler's checks of its inputs against the drafts
+(its ``ValueError``s), beside ``RejectionSampler.forward``, which calls it first.
 
 It is defined here, in sampling, because the rejection sampler reads it and sampling sits below
 speculative decoding (the drafters sample: ``spec_decode`` imports ``sample``, never the other way
@@ -24,10 +26,13 @@ imports it from there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:   # annotations only
+    from minivllm.sample.metadata import SamplingMetadata
 
 
 @dataclass
@@ -72,3 +77,25 @@ class SpecDecodeMetadata:
             bonus_logits_indices=zeros(batch_size),
             logits_indices=zeros(num_tokens + batch_size),
         )
+
+    def check_verify_inputs(self, draft_probs: Optional[torch.Tensor], target_logits: torch.Tensor,
+                            bonus_token_ids: torch.Tensor,
+                            sampling_metadata: SamplingMetadata) -> None:
+        """The rejection sampler's inputs against these drafts (``RejectionSampler.forward``): one
+        ``target_logits`` row per draft, ``draft_probs`` (when given) of the same shape, one bonus
+        token and, unless every row is greedy, one temperature per request; a ``ValueError``
+        naming the input otherwise."""
+        num_tokens, batch = self.draft_token_ids.numel(), len(self.num_draft_tokens)
+        if target_logits.dim() != 2 or target_logits.shape[0] != num_tokens:
+            raise ValueError(f"target_logits must be [num_draft_tokens={num_tokens}, vocab], "
+                             f"got {tuple(target_logits.shape)}.")
+        if draft_probs is not None and draft_probs.shape != target_logits.shape:
+            raise ValueError(f"draft_probs must match target_logits {tuple(target_logits.shape)}, "
+                             f"got {tuple(draft_probs.shape)}.")
+        if bonus_token_ids.numel() != batch:
+            raise ValueError(f"bonus_token_ids must be [batch={batch}, 1], "
+                             f"got {tuple(bonus_token_ids.shape)}.")
+        temperature = sampling_metadata.temperature
+        if not sampling_metadata.all_greedy and (temperature is None or temperature.numel() != batch):
+            raise ValueError(f"sampling_metadata.temperature must be [batch={batch}] unless all "
+                             f"greedy.")

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from minivllm.sample.accept import (_is_greedy, apply_draft_logits_processors,
-                                    apply_sampling_constraints, random_accept_mask)
+                                    apply_sampling_constraints)
 from minivllm.sample.metadata import SamplingMetadata
+from minivllm.sample.rejection_torch import random_accept_mask
 
 if TYPE_CHECKING:   # annotations only: the drafts' metadata loads with speculative decoding
     from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata

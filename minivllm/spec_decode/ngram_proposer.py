@@ -49,9 +49,6 @@ class NgramProposer(Proposer):
         return cls(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens,
                    max_model_len=vllm_config.model_config.max_model_len, match=spec.ngram_match)
 
-    def load_model(self, *args, **kwargs) -> None:
-        """Nothing to load: the drafter is the context itself."""
-
     def propose_for_batch(self, runner: Any, limits: dict[str, int], so: Any) -> dict[str, list[int]]:
         """Article step 2 for the batch: ``propose`` on each request's row of
         ``input_batch.token_ids_cpu`` (its context without this step's drafts), cut to its limit."""

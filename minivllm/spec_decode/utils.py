@@ -35,6 +35,16 @@ class TargetStepOutputs:
     spec_decode_metadata: Optional[SpecDecodeMetadata]
     sampled_token_ids: list[list[int]]   # per request; [] for a partial prefill chunk
 
+    @classmethod
+    def from_state(cls, state: Any, sampled_token_ids: list[list[int]]) -> "TargetStepOutputs":
+        """From the runner's ``ExecuteModelState`` (worker/outputs.py) and this step's samples."""
+        md = state.attn_metadata
+        return cls(
+            state.input_ids.cpu().numpy(), state.positions.cpu().numpy(),
+            md.slot_mapping.cpu().numpy(), md.query_start_loc.cpu().numpy(), state.seq_lens,
+            state.hidden_states, state.aux_hidden_states, state.logits_indices,
+            state.spec_decode_metadata, sampled_token_ids)
+
 
 class DraftKVCacheMixin(Proposer):
     """For drafters with attention layers of their own (the draft model, EAGLE's head): their K/V

@@ -53,11 +53,7 @@ class ExecuteModelState:
     kv_connector_output: Any = None
 
     def target_step_outputs(self, sampled_token_ids: list[list[int]]) -> TargetStepOutputs:
-        """The target's step as the learned drafters read it (``uses_target_hidden_states``)."""
+        """The target's step as the learned drafters read it (``uses_target_hidden_states``;
+        spec_decode/utils.py)."""
         from minivllm.spec_decode.utils import TargetStepOutputs
-        md = self.attn_metadata
-        return TargetStepOutputs(
-            self.input_ids.cpu().numpy(), self.positions.cpu().numpy(),
-            md.slot_mapping.cpu().numpy(), md.query_start_loc.cpu().numpy(), self.seq_lens,
-            self.hidden_states, self.aux_hidden_states, self.logits_indices,
-            self.spec_decode_metadata, sampled_token_ids)
+        return TargetStepOutputs.from_state(self, sampled_token_ids)

@@ -1,5 +1,5 @@
 """The built-in logits processors, mirroring vllm/v1/sample/logits_processor/builtin.py
-(``LogitBiasLogitsProcessor``; ``MinPLogitsProcessor`` is ``sampler.apply_min_p``) and the sampler's allowed-token mask
+(``LogitBiasLogitsProcessor``, ``MinPLogitsProcessor``) and the sampler's allowed-token mask
 (vLLM's ``allowed_token_ids_mask`` in ``InputBatch``). ``min_tokens`` is in
 ``sample/logits_processor.py``.
 """
@@ -33,3 +33,11 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float
     logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] += torch.tensor(
         biases, dtype=logits.dtype, device=dev)
     return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``MinPLogitsProcessor.apply``: drop tokens whose probability is below ``min_p`` times
+    the row's largest. ``logits`` ``[rows, vocab]`` after temperature, ``min_p`` ``[rows]``."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))

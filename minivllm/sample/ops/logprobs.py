@@ -22,6 +22,14 @@ def logprobs_source(logits: torch.Tensor, mode: str) -> torch.Tensor:
     return logits.float().clone() if mode.endswith("_logits") else compute_logprobs(logits)
 
 
+def logprobs_to_return(logits: torch.Tensor, processed: torch.Tensor, mode: str) -> torch.Tensor:
+    """``SamplerOutput.logprobs``: ``raw_*`` from the model's ``logits``, ``processed_*`` from the
+    ``processed`` logits the tokens were drawn from; ``[rows, vocab]``."""
+    if mode.startswith("raw"):
+        return logprobs_source(logits, mode)
+    return processed if mode == "processed_logits" else compute_logprobs(processed)
+
+
 @dataclass
 class LogprobsTensors:
     """vLLM's ``LogprobsTensors``: ``logprob_token_ids`` ``[rows, k + 1]`` (the sampled or prompt

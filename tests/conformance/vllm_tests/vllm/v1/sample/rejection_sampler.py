@@ -8,6 +8,7 @@ from __future__ import annotations
 
 
 from minivllm.sample import rejection_sampler as _mini
+from minivllm.sample import rejection_torch as _mini_torch
 from minivllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
 from vllm import _missing
 from vllm.v1.sample.sampler import SamplerOutput
@@ -34,11 +35,11 @@ def sample_recovered_tokens(max_spec_len, num_draft_tokens, cu_num_draft_tokens,
                             device, **kwargs):
     if any(kwargs.values()):
         _missing._raise(f"vllm sample_recovered_tokens({', '.join(kwargs)})")
-    q = _mini.generate_recovery_noise(len(num_draft_tokens), target_probs.shape[-1],
-                                      list(num_draft_tokens), sampling_metadata.generators,
-                                      device)
-    recovered = _mini.sample_recovered_tokens_torch(cu_num_draft_tokens, draft_token_ids.reshape(-1),
-                                                    draft_probs, target_probs, q, max_spec_len)
+    q = _mini_torch.generate_recovery_noise(len(num_draft_tokens), target_probs.shape[-1],
+                                            list(num_draft_tokens), sampling_metadata.generators,
+                                            device)
+    recovered = _mini_torch.sample_recovered_tokens_torch(
+        cu_num_draft_tokens, draft_token_ids.reshape(-1), draft_probs, target_probs, q, max_spec_len)
     return recovered.reshape(draft_token_ids.shape)
 
 

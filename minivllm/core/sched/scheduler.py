@@ -28,7 +28,7 @@ from minivllm.core.kv_cache_utils import KVCacheBlocks, get_request_block_hasher
 from minivllm.core.sched.kv_transfer import KVTransferMixin
 from minivllm.core.sched.output import NewRequestData, SchedulerOutput
 from minivllm.core.sched.utils import (ScheduledRequests, check_stop, make_cached_request_data,
-                                       record_schedule, schedule_spec_tokens)
+                                       schedule_spec_tokens)
 from minivllm.core.sched.waiting import WaitingMixin
 from minivllm.request import Request, RequestStatus
 
@@ -90,15 +90,9 @@ class Scheduler(WaitingMixin, KVTransferMixin):
         self.requests[request.request_id] = request
 
     def finish_requests(self, request_ids: list[str], finished_status: RequestStatus) -> None:
-        for req_id in request_ids:
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished():
-                continue
-            for queue in (self.running, self.waiting, self.kv_holding_waiting):
-                if request in queue:
-                    queue.remove(request)
-            request.status = finished_status
-            self._free_request(request)
+        """Finish requests from outside the step (an abort, a failed load): finish.py."""
+        from minivllm.core.sched.finish import finish_requests
+        finish_requests(self, request_ids, finished_status)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.kv_holding_waiting)
@@ -131,7 +125,8 @@ class Scheduler(WaitingMixin, KVTransferMixin):
             self.schedule_waiting(scheduled)
         scheduler_output = self._make_scheduler_output(scheduled)
         self._update_after_schedule(scheduler_output)
-        if trace.is_recording():
+        if trace.is_recording():   # the "schedule" and "kv_cache" step records
+            from minivllm.core.sched.schedule_record import record_schedule
             record_schedule(self, scheduler_output, scheduled.token_budget)
         return scheduler_output
 
@@ -223,15 +218,10 @@ class Scheduler(WaitingMixin, KVTransferMixin):
         self.finished_req_ids = set()
 
     def _preempt_request(self, request: Request) -> None:
-        trace.record("preempt", req_id=request.request_id,
-                     num_computed_tokens_before=request.num_computed_tokens)
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.spec_token_ids = []
-        request.num_preemptions += 1
-        self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        """Free its blocks and send it back to the head of ``waiting``, to recompute from token
+        0 (preemption.py: the examples never run out of blocks)."""
+        from minivllm.core.sched.preemption import preempt_request
+        preempt_request(self, request)
 
     # ------------------------------------------------------------------ outputs
     def update_from_output(self, scheduler_output: SchedulerOutput,

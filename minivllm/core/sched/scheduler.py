@@ -19,7 +19,7 @@ scanned first: ``schedule_kv_holding``) until the worker reports it in ``finishe
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from minivllm import trace
 from minivllm.config import VllmConfig
@@ -31,6 +31,9 @@ from minivllm.core.sched.utils import (ScheduledRequests, check_stop, make_cache
                                        schedule_spec_tokens)
 from minivllm.core.sched.waiting import WaitingMixin
 from minivllm.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from minivllm.spec_decode.metrics import SpecDecodingStats
 
 
 class Scheduler(WaitingMixin, KVTransferMixin):
@@ -60,10 +63,7 @@ class Scheduler(WaitingMixin, KVTransferMixin):
         # lookahead slots, as vLLM 0.32's num_lookahead_tokens (config/vllm.py) gives them; n-gram
         # and Medusa write no KV and reserve none.
         self.num_lookahead_tokens = self.num_spec_tokens if spec and spec.needs_lookahead_slots else 0
-        self.spec_decoding_stats = None
-        if spec:
-            from minivllm.spec_decode.metrics import SpecDecodingStats
-            self.spec_decoding_stats = SpecDecodingStats(self.num_spec_tokens)
+        self._spec_decoding_stats: Optional[SpecDecodingStats] = None   # made on first use
 
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks=num_gpu_blocks, block_size=self.block_size,
@@ -115,6 +115,15 @@ class Scheduler(WaitingMixin, KVTransferMixin):
 
     def has_requests(self) -> bool:
         return self.has_unfinished_requests() or self.has_finished_requests()
+
+    @property
+    def spec_decoding_stats(self) -> Optional[SpecDecodingStats]:
+        """The speculative-decoding counters (spec_decode/metrics.py), None without a
+        ``speculative_config``; made when the first drafts are verified or someone reads them."""
+        if self._spec_decoding_stats is None and self.vllm_config.speculative_config:
+            from minivllm.spec_decode.metrics import SpecDecodingStats
+            self._spec_decoding_stats = SpecDecodingStats(self.num_spec_tokens)
+        return self._spec_decoding_stats
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:

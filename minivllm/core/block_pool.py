@@ -3,7 +3,8 @@
 ``BlockPool`` owns ``KVCacheBlock(0 .. num_gpu_blocks - 1)`` (the page ids of every layer's
 ``kv_cache [2, num_gpu_blocks, block_size, num_kv_heads, head_dim]``), the free queue, and the prefix cache
 ``cached_block_hash_to_block``. Eviction is lazy: a freed block keeps its hash and stays a possible prefix hit
-until ``get_new_blocks`` hands it to someone else, and only then leaves the hash map.
+until ``get_new_blocks`` hands it to someone else, and only then leaves the hash map
+(prefix_cache_evict.py, read only once that happens, or on ``reset_prefix_cache``).
 
 Block 0 is the ``null_block``: popped once at start-up and never handed out or freed, so usable blocks are
 ``num_gpu_blocks - 1`` and real block ids start at 1 (padding in a block table can point at 0 harmlessly).

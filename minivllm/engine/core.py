@@ -9,6 +9,7 @@ the worker, as vllm/v1/engine/core.py ``post_step`` skips ``take_draft_token_ids
 also overlaps scheduling with the forward (``step_with_batch_queue``); minivllm's step stays serial.
 
 Set a breakpoint in ``Scheduler.schedule`` and call ``step()``: everything runs in this process.
+A step that schedules nothing while requests wait asks no_room.py whether the KV cache is too small.
 """
 from __future__ import annotations
 

@@ -2,6 +2,9 @@
 
 ``add_request()`` / ``step()`` / ``has_unfinished_requests()`` let a notebook or a debugger drive the
 engine one step at a time; ``LLM.generate()`` is a loop over exactly these calls.
+Beside it, read only when needed: prompts.py (a text prompt, a refused one), abort.py
+(``abort_request``), parallel_sampling.py (``n > 1``), logprobs.py (a request asking for them),
+core/sched/stop_strings.py (stop strings).
 """
 from __future__ import annotations
 

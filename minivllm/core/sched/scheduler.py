@@ -15,6 +15,10 @@ vLLM's sections in order, each a function here, sharing what it builds in ``Sche
 An asynchronous load takes its own path, in kv_transfer.py with the other KV-transfer bookkeeping:
 its request waits in ``WAITING_FOR_REMOTE_KVS`` in ``kv_holding_waiting`` (vLLM 0.32's queue,
 scanned first: ``schedule_kv_holding``) until the worker reports it in ``finished_recving``.
+Beside it, read only when needed (the article's examples never need them): preemption.py, once
+the pool runs out of blocks; finish.py, for a request finished from outside the step (an abort);
+stop_strings.py, for a request with stop strings; schedule_record.py, when a step is recorded;
+spec_decode/metrics.py, once drafts are verified (``spec_decoding_stats``).
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """Plain-data views of the paged KV cache, for the scheduler's ``"kv_cache"`` step record
 (core/sched/schedule_record.py) and for tests. vLLM's ``BlockPool`` and ``KVCacheManager`` have no
-such view; it sits beside them, read only when a step is recorded."""
+such view; it sits beside them, read only when a step is recorded. Also the walk behind
+``FreeKVCacheBlockQueue.get_all_free_blocks`` and ``KVCacheBlock``'s ``repr`` (kv_cache_utils.py),
+read only when something asks for them."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, Optional
@@ -8,6 +10,28 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 if TYPE_CHECKING:
     from minivllm.core.block_pool import BlockPool
     from minivllm.core.kv_cache_manager import KVCacheManager
+    from minivllm.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+
+def free_blocks_in_order(queue: "FreeKVCacheBlockQueue") -> list["KVCacheBlock"]:
+    """Every block of the free queue, head (evicted first) to tail."""
+    ret = []
+    curr = queue.fake_free_list_head.next_free_block
+    while curr is not None and curr is not queue.fake_free_list_tail:
+        ret.append(curr)
+        curr = curr.next_free_block
+    return ret
+
+
+def block_repr(block: "KVCacheBlock") -> str:
+    """``KVCacheBlock(block_id=.., ref_cnt=.., block_hash=<8 hex digits>, prev_free_block=..,
+    next_free_block=.., is_null=..)``."""
+    # Only neighbours' ids: printing the neighbours themselves would recurse through the list.
+    prev_id = block.prev_free_block.block_id if block.prev_free_block else None
+    next_id = block.next_free_block.block_id if block.next_free_block else None
+    h = block._block_hash.hex()[:8] if block._block_hash else None
+    return (f"KVCacheBlock(block_id={block.block_id}, ref_cnt={block.ref_cnt}, block_hash={h}, "
+            f"prev_free_block={prev_id}, next_free_block={next_id}, is_null={block.is_null})")
 
 
 def block_pool_snapshot(pool: "BlockPool") -> dict[str, Any]:

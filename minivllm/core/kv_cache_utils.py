@@ -125,12 +125,8 @@ class KVCacheBlock:
         self._block_token_ids = None
 
     def __repr__(self) -> str:
-        # Only neighbours' ids: printing the neighbours themselves would recurse through the list.
-        prev_id = self.prev_free_block.block_id if self.prev_free_block else None
-        next_id = self.next_free_block.block_id if self.next_free_block else None
-        h = self._block_hash.hex()[:8] if self._block_hash else None
-        return (f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, block_hash={h}, "
-                f"prev_free_block={prev_id}, next_free_block={next_id}, is_null={self.is_null})")
+        from minivllm.core.kv_cache_record import block_repr   # for the debugger and the tests
+        return block_repr(self)
 
 
 class FreeKVCacheBlockQueue:
@@ -193,12 +189,9 @@ class FreeKVCacheBlockQueue:
             self.num_free_blocks += 1
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        ret = []
-        curr = self.fake_free_list_head.next_free_block
-        while curr is not None and curr is not self.fake_free_list_tail:
-            ret.append(curr)
-            curr = curr.next_free_block
-        return ret
+        """The free blocks in eviction order (kv_cache_record.py: for step records and tests)."""
+        from minivllm.core.kv_cache_record import free_blocks_in_order
+        return free_blocks_in_order(self)
 
     def _unlink(self, block: KVCacheBlock) -> None:
         assert block.prev_free_block is not None and block.next_free_block is not None

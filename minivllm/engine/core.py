@@ -9,6 +9,7 @@ the worker, as vllm/v1/engine/core.py ``post_step`` skips ``take_draft_token_ids
 also overlaps scheduling with the forward (``step_with_batch_queue``); minivllm's step stays serial.
 
 Set a breakpoint in ``Scheduler.schedule`` and call ``step()``: everything runs in this process.
+A step that schedules nothing while requests wait asks no_room.py whether the KV cache is too small.
 """
 from __future__ import annotations
 
@@ -52,15 +53,9 @@ class EngineCore:
             return []
         with self.tracer.step(self.step_index):
             scheduler_output = self.scheduler.schedule()
-            if (scheduler_output.total_num_scheduled_tokens == 0 and self.scheduler.waiting
-                    and not self.scheduler.running and not scheduler_output.preempted_req_ids
-                    and not self.scheduler.waiting_for_remote_kvs
-                    and not self.scheduler.delayed_free):
-                raise RuntimeError(
-                    "The KV cache cannot hold even one waiting request "
-                    f"({self.vllm_config.cache_config.num_gpu_blocks} blocks of "
-                    f"{self.vllm_config.cache_config.block_size} tokens): raise "
-                    "num_gpu_blocks_override or lower max_model_len.")
+            if scheduler_output.total_num_scheduled_tokens == 0 and self.scheduler.waiting:
+                from minivllm.engine.no_room import check_room   # a cache too small? no_room.py
+                check_room(self, scheduler_output)
             model_output = self.worker.execute_model(scheduler_output)
             if model_output is None:   # vLLM 0.32: the forward ran; sampling finishes the step
                 model_output = self.worker.sample_tokens()

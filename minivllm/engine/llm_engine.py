@@ -2,6 +2,9 @@
 
 ``add_request()`` / ``step()`` / ``has_unfinished_requests()`` let a notebook or a debugger drive the
 engine one step at a time; ``LLM.generate()`` is a loop over exactly these calls.
+Beside it, read only when needed: prompts.py (a text prompt, a refused one), abort.py
+(``abort_request``), parallel_sampling.py (``n > 1``), logprobs.py (a request asking for them),
+core/sched/stop_strings.py (stop strings).
 """
 from __future__ import annotations
 
@@ -52,29 +55,21 @@ class LLMEngine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a dict prompt must have the key 'prompt_token_ids'.")
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-        if not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a str or {{'prompt_token_ids': [...]}}, got "
-                             f"{type(prompt).__name__}.")
-        if self.tokenizer is None:
-            raise ValueError("skip_tokenizer_init=True: give prompts as {'prompt_token_ids': [...]}.")
-        return prompt, self.tokenizer.encode(prompt)
+        from minivllm.engine.prompts import tokenize_text_prompt   # text (or not a prompt at all)
+        return tokenize_text_prompt(prompt, self.tokenizer)
 
     def validate_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """Tokenize and check one prompt (``ValueError`` naming the problem); nothing is queued."""
         text, token_ids = self.tokenize_prompt(prompt)
         max_model_len = self.vllm_config.model_config.max_model_len
-        if not token_ids:
-            raise ValueError("prompt is empty: it must have at least one token.")
-        if len(token_ids) >= max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, which leaves no room under "
-                             f"max_model_len={max_model_len} (prompt tokens must be < max_model_len).")
         vocab = self.vllm_config.hf_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise ValueError(f"prompt_token_ids must be in [0, {vocab}) for this model's vocabulary.")
+        # Not empty, room left under max_model_len, every id in the vocabulary.
+        if (not token_ids or len(token_ids) >= max_model_len
+                or min(token_ids) < 0 or max(token_ids) >= vocab):
+            from minivllm.engine.prompts import prompt_error
+            raise prompt_error(token_ids, max_model_len, vocab)
         return text, token_ids
 
     def add_request(self, request_id: str, prompt: PromptType,
@@ -116,16 +111,9 @@ class LLMEngine:
                                 self.vllm_config.model_config.max_logprobs)
 
     def abort_request(self, request_ids: list[str]) -> None:
-        from minivllm.request import RequestStatus
-        # A parent's id aborts its children.
-        request_ids = [c for r in request_ids for c in (
-            [c for c, p in self._parents.items() if p.request_id == r] or [r])]
-        for request_id in request_ids:
-            self._parents.pop(request_id, None)
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        for request_id in request_ids:
-            self._requests.pop(request_id, None)
-            self._logprobs.pop(request_id, None)
+        """Finish the requests as aborted (a parent's id aborts its children): abort.py."""
+        from minivllm.engine.abort import abort_requests
+        abort_requests(self, request_ids)
 
     def has_unfinished_requests(self) -> bool:
         """Requests a caller still waits for (``LLM.generate`` loops on this, as vLLM's loops on
@@ -146,26 +134,22 @@ class LLMEngine:
             if req_id in self._logprobs:
                 self._logprobs[req_id].update_from_output(request, new_token_ids)
             out = self.make_output(request)
-            parent = self._parents.get(req_id)
-            if parent is not None:   # n > 1: the parent's output, all its children in it
-                out = parent.make_request_output(req_id, out)
+            if req_id in self._parents:   # n > 1: the parent's output, all its children in it
+                from minivllm.engine.parallel_sampling import parent_output
+                out = parent_output(self, request, out)
             results[out.request_id] = out
             if request.is_finished():
                 self._requests.pop(req_id, None)
                 self._logprobs.pop(req_id, None)
-                if parent is not None and out.finished:
-                    for child_id in parent.child_ids:
-                        self._parents.pop(child_id, None)
         return list(results.values())
 
     def make_output(self, request: Request) -> RequestOutput:
         token_ids = list(request.output_token_ids)
         text = self._detokenize(token_ids) if self.tokenizer is not None else ""
         stop = request.stop_reason
-        if isinstance(stop, str) and stop in text:
-            cut = text.index(stop)
-            text = text[:cut + len(stop)] if request.sampling_params.include_stop_str_in_output \
-                else text[:cut]
+        if isinstance(stop, str):   # stopped by a stop string: the text ends there
+            from minivllm.core.sched.stop_strings import truncate_at_stop
+            text = truncate_at_stop(text, stop, request.sampling_params.include_stop_str_in_output)
         completion = CompletionOutput(0, text, token_ids, request.get_finished_reason(), stop)
         lp = self._logprobs.get(request.request_id)
         if lp is not None:

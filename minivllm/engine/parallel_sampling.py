@@ -66,3 +66,14 @@ def add_parent_request(engine: Any, request_id: str, prompt: Any, params: Sampli
         engine._parents[child_id] = parent
         children.append(engine.add_request(child_id, prompt, child_params, kv_transfer_params))
     return children[0]
+
+
+def parent_output(engine: Any, request: Any, child_output: RequestOutput) -> RequestOutput:
+    """``LLMEngine.step`` for a child that progressed: its parent's output (every child's latest
+    completion); once all children have finished, the engine forgets the parent."""
+    parent = engine._parents[request.request_id]
+    out = parent.make_request_output(request.request_id, child_output)
+    if request.is_finished() and out.finished:
+        for child_id in parent.child_ids:
+            engine._parents.pop(child_id, None)
+    return out

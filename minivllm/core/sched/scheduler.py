@@ -15,11 +15,15 @@ vLLM's sections in order, each a function here, sharing what it builds in ``Sche
 An asynchronous load takes its own path, in kv_transfer.py with the other KV-transfer bookkeeping:
 its request waits in ``WAITING_FOR_REMOTE_KVS`` in ``kv_holding_waiting`` (vLLM 0.32's queue,
 scanned first: ``schedule_kv_holding``) until the worker reports it in ``finished_recving``.
+Beside it, read only when needed (the article's examples never need them): preemption.py, once
+the pool runs out of blocks; finish.py, for a request finished from outside the step (an abort);
+stop_strings.py, for a request with stop strings; schedule_record.py, when a step is recorded;
+spec_decode/metrics.py, once drafts are verified (``spec_decoding_stats``).
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from minivllm import trace
 from minivllm.config import VllmConfig
@@ -28,9 +32,12 @@ from minivllm.core.kv_cache_utils import KVCacheBlocks, get_request_block_hasher
 from minivllm.core.sched.kv_transfer import KVTransferMixin
 from minivllm.core.sched.output import NewRequestData, SchedulerOutput
 from minivllm.core.sched.utils import (ScheduledRequests, check_stop, make_cached_request_data,
-                                       record_schedule, schedule_spec_tokens)
+                                       schedule_spec_tokens)
 from minivllm.core.sched.waiting import WaitingMixin
 from minivllm.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from minivllm.spec_decode.metrics import SpecDecodingStats
 
 
 class Scheduler(WaitingMixin, KVTransferMixin):
@@ -60,10 +67,7 @@ class Scheduler(WaitingMixin, KVTransferMixin):
         # lookahead slots, as vLLM 0.32's num_lookahead_tokens (config/vllm.py) gives them; n-gram
         # and Medusa write no KV and reserve none.
         self.num_lookahead_tokens = self.num_spec_tokens if spec and spec.needs_lookahead_slots else 0
-        self.spec_decoding_stats = None
-        if spec:
-            from minivllm.spec_decode.metrics import SpecDecodingStats
-            self.spec_decoding_stats = SpecDecodingStats(self.num_spec_tokens)
+        self._spec_decoding_stats: Optional[SpecDecodingStats] = None   # made on first use
 
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks=num_gpu_blocks, block_size=self.block_size,
@@ -90,15 +94,9 @@ class Scheduler(WaitingMixin, KVTransferMixin):
         self.requests[request.request_id] = request
 
     def finish_requests(self, request_ids: list[str], finished_status: RequestStatus) -> None:
-        for req_id in request_ids:
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished():
-                continue
-            for queue in (self.running, self.waiting, self.kv_holding_waiting):
-                if request in queue:
-                    queue.remove(request)
-            request.status = finished_status
-            self._free_request(request)
+        """Finish requests from outside the step (an abort, a failed load): finish.py."""
+        from minivllm.core.sched.finish import finish_requests
+        finish_requests(self, request_ids, finished_status)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.kv_holding_waiting)
@@ -122,6 +120,15 @@ class Scheduler(WaitingMixin, KVTransferMixin):
     def has_requests(self) -> bool:
         return self.has_unfinished_requests() or self.has_finished_requests()
 
+    @property
+    def spec_decoding_stats(self) -> Optional[SpecDecodingStats]:
+        """The speculative-decoding counters (spec_decode/metrics.py), None without a
+        ``speculative_config``; made when the first drafts are verified or someone reads them."""
+        if self._spec_decoding_stats is None and self.vllm_config.speculative_config:
+            from minivllm.spec_decode.metrics import SpecDecodingStats
+            self._spec_decoding_stats = SpecDecodingStats(self.num_spec_tokens)
+        return self._spec_decoding_stats
+
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         """One step's schedule, in vLLM's order: the running requests, then the waiting ones (if
@@ -131,7 +138,8 @@ class Scheduler(WaitingMixin, KVTransferMixin):
             self.schedule_waiting(scheduled)
         scheduler_output = self._make_scheduler_output(scheduled)
         self._update_after_schedule(scheduler_output)
-        if trace.is_recording():
+        if trace.is_recording():   # the "schedule" and "kv_cache" step records
+            from minivllm.core.sched.schedule_record import record_schedule
             record_schedule(self, scheduler_output, scheduled.token_budget)
         return scheduler_output
 
@@ -223,15 +231,10 @@ class Scheduler(WaitingMixin, KVTransferMixin):
         self.finished_req_ids = set()
 
     def _preempt_request(self, request: Request) -> None:
-        trace.record("preempt", req_id=request.request_id,
-                     num_computed_tokens_before=request.num_computed_tokens)
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.spec_token_ids = []
-        request.num_preemptions += 1
-        self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        """Free its blocks and send it back to the head of ``waiting``, to recompute from token
+        0 (preemption.py: the examples never run out of blocks)."""
+        from minivllm.core.sched.preemption import preempt_request
+        preempt_request(self, request)
 
     # ------------------------------------------------------------------ outputs
     def update_from_output(self, scheduler_output: SchedulerOutput,

@@ -1,12 +1,12 @@
 """Stop checks, mirroring vllm/v1/core/sched/utils.py ``check_stop``; and what one
 ``Scheduler.schedule()`` call builds on its way to the ``SchedulerOutput`` (``ScheduledRequests``,
-``schedule_spec_tokens``, ``make_cached_request_data``), with its step records
-(``record_schedule``)."""
+``schedule_spec_tokens``, ``make_cached_request_data``). Its step records are written beside,
+in schedule_record.py."""
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 from minivllm.core.kv_cache_utils import KVCacheBlocks
 from minivllm.core.sched.output import CachedRequestData
@@ -120,20 +120,8 @@ def check_stop(request: Request, max_model_len: int,
         return True
     if request.num_output_tokens < params.min_tokens:
         return False
-    if params.stop and detokenize is not None:
-        # vLLM checks stop strings in the front-end detokenizer; doing it here, token by token, lets an
-        # accepted run of drafts end exactly where plain decoding would.
-        text = detokenize(request.output_token_ids)
-        for s in params.stop:
-            if s in text:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = s
-                return True
+    if params.stop and detokenize is not None:   # text, so a tokenizer: stop_strings.py
+        from minivllm.core.sched.stop_strings import check_stop_strings
+        return check_stop_strings(request, detokenize)
     return False
 
-
-def record_schedule(scheduler: Any, so: Any, token_budget: int) -> None:
-    """The "schedule" and "kv_cache" step records (minivllm/trace.py) for one schedule() call;
-    written by schedule_record.py, read only when a step is recorded."""
-    from minivllm.core.sched.schedule_record import record_schedule as record
-    record(scheduler, so, token_budget)

@@ -266,10 +266,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
         return nbytes
 
     def _load_failed(self, req: ReqMeta, err: Exception) -> None:
-        self._storage.count(num_load_errors=1)
-        self._invalid_block_ids.update(req.block_ids)
-        storage.warn(f"SharedStorageConnector: loading {req.req_id} failed ({err}); "
-                     f"blocks {req.block_ids} will be recomputed.")
+        """Report the request's blocks for recomputing, with a warning (storage_faults.py)."""
+        from minivllm.distributed.kv_transfer.storage_faults import load_failed
+        load_failed(self, req, err)
 
     @recorded
     def wait_for_layer_load(self, layer_name: str) -> None:

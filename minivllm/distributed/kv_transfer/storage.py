@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import time
-import warnings
 from typing import Any, Optional
 
 import torch
@@ -25,7 +23,6 @@ from minivllm.distributed.kv_transfer.storage_format import (  # noqa: F401 (the
     FORMAT_VERSION, FolderWriter, KVStorageError, check_folder, check_meta, check_storage_path,
     prefix_hashes, read_layer_file, read_meta)
 
-logger = logging.getLogger(__name__)
 STATS = ("num_lookups", "num_lookup_hits", "num_matched_tokens", "num_invalid_folders",
          "num_loaded_tokens", "num_loaded_bytes", "load_time_s", "num_load_errors",
          "num_stored_tokens", "num_stored_bytes", "save_time_s", "num_folders_committed",
@@ -47,12 +44,6 @@ def layout_of(kv: torch.Tensor) -> dict[str, Any]:
     """KV layout of a paged cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
     return {"num_kv_heads": kv.shape[3], "head_dim": kv.shape[4],
             "dtype": str(kv.dtype).removeprefix("torch.")}
-
-
-def warn(msg: str) -> None:
-    """A fault the engine survives: logged, and a ``RuntimeWarning`` (tests and notebooks see it)."""
-    logger.warning(msg)
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 def model_fingerprint(vllm_config: Any) -> str:
@@ -100,7 +91,7 @@ class SharedStorage:
     publish a new folder; ``stats`` counts it all (names in ``STATS``, for ``LLM.get_metrics()``).
 
     A bad folder (missing, truncated, corrupt, another model) is never an error: lookups skip it
-    with a warning, and a store that fails is dropped with one."""
+    with a warning, and a store that fails is dropped with one (storage_faults.py)."""
 
     def __init__(self, root: str, vllm_config: Any) -> None:
         self.root = root
@@ -147,9 +138,9 @@ class SharedStorage:
                 continue
             try:
                 self._check(name, prompt[:n], verify_data)
-            except KVStorageError as e:
-                self.stats["num_invalid_folders"] += 1
-                warn(f"SharedStorageConnector: ignoring stored KV ({e}); recomputing.")
+            except KVStorageError as e:   # skipped with a warning (storage_faults.py)
+                from minivllm.distributed.kv_transfer.storage_faults import invalid_folder
+                invalid_folder(self, e)
                 continue
             self.count(num_lookup_hits=1, num_matched_tokens=n - num_computed_tokens)
             return n, name
@@ -243,9 +234,6 @@ class SharedStorage:
         return outcome
 
     def _store_failed(self, req_id: str, name: str, err: Exception) -> None:
-        self.stats["num_store_errors"] += 1
-        warn(f"SharedStorageConnector: storing {req_id} failed ({err}); not stored.")
-        writer = self._writers.get(name)
-        if writer is not None:
-            writer.abort()
-        self._writers[name] = None
+        """Drop the folder with a warning; the step's other stores go on (storage_faults.py)."""
+        from minivllm.distributed.kv_transfer.storage_faults import store_failed
+        store_failed(self, req_id, name, err)

@@ -14,7 +14,8 @@ article's order. Differences from vLLM (VLLM_REFERENCE 6.3), on purpose:
   multiples of bs, so D finds P's folder when D's prompt is P's plus the generated token, even when
   P's length is a multiple of bs (vLLM then looks up one folder and loads another);
 - the match is clamped at 0, and only blocks beyond the local prefix hit are written;
-- a store is emitted in the step whose forward completes the prefix (chunked prefill);
+- a store is emitted in the step whose forward completes the prefix (chunked prefill:
+  shared_storage_cached.py, with a preempted request's re-load);
 - bad folders (missing, truncated, corrupt, another model) are skipped at lookup with a warning,
   so they are recomputed; a layer that still fails at load time (a file changed after the lookup)
   is reported by ``get_block_ids_with_load_errors()``.
@@ -168,19 +169,10 @@ class SharedStorageConnector(KVConnectorBase_V1):
                                  block_size=bs, is_store=False, start=start)
             self._maybe_track_store(req.req_id, req.prompt_token_ids, block_ids)
         cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            new_ids = list(cached.new_block_ids[i][0]) if cached.new_block_ids[i] else []
-            num_computed[req_id] = cached.num_computed_tokens[i]
-            resumed = req_id in cached.resumed_req_ids
-            load = self._requests_need_load.pop(req_id, None)
-            if load is not None:     # a preempted request re-loads into its new block list
-                assert resumed, f"{req_id}: a load can only start a (re)scheduled request"
-                token_ids, folder, start = load
-                meta.add_request(req_id, token_ids=token_ids, folder=folder, block_ids=new_ids,
-                                 block_size=bs, is_store=False, start=start)
-            if req_id in self._pending_stores:
-                ids, name, blocks = self._pending_stores[req_id]
-                self._pending_stores[req_id] = (ids, name, new_ids if resumed else blocks + new_ids)
+        if cached.req_ids and (self._requests_need_load or self._pending_stores):
+            # A resumed request re-loads; a prefix prefilled in chunks collects its new blocks.
+            from minivllm.distributed.kv_transfer.shared_storage_cached import update_cached_requests
+            update_cached_requests(self, meta, cached, num_computed)
         assert not self._requests_need_load, (
             f"loads counted but not scheduled: {sorted(self._requests_need_load)}")
         stored_now: set[str] = set()

@@ -167,7 +167,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 token_ids, folder, start = load
                 meta.add_request(req.req_id, token_ids=token_ids, folder=folder, block_ids=block_ids,
                                  block_size=bs, is_store=False, start=start)
-            self._maybe_track_store(req.req_id, req.prompt_token_ids, block_ids)
+            self._maybe_track_store(req.req_id, req.prompt_token_ids, block_ids,
+                                    num_loaded=len(load[0]) if load is not None else 0)
         cached = scheduler_output.scheduled_cached_reqs
         if cached.req_ids and (self._requests_need_load or self._pending_stores):
             # A resumed request re-loads; a prefix prefilled in chunks collects its new blocks.
@@ -187,11 +188,13 @@ class SharedStorageConnector(KVConnectorBase_V1):
                                      block_size=bs, is_store=True)
         return meta
 
-    def _maybe_track_store(self, req_id: str, prompt: list[int], block_ids: list[int]) -> None:
+    def _maybe_track_store(self, req_id: str, prompt: list[int], block_ids: list[int],
+                           num_loaded: int) -> None:
         """vLLM's ``_found_match_for_prompt`` test before a store: a prefix already stored (and
-        valid) is not stored again; a request either loads or stores, once."""
+        valid) is not stored again, nor the one this request loads whole (its lookup has just
+        checked it); a request either loads or stores, once."""
         n = align_to_block_size(len(prompt), self._block_size)
-        if not self._is_producer or n == 0:
+        if not self._is_producer or n <= num_loaded:
             return
         name = storage.prefix_hashes(prompt, self._block_size, n)[-1][1]
         if not self._storage.is_stored(name, prompt[:n]):

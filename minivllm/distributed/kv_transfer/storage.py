@@ -20,8 +20,8 @@ from typing import Any, Optional
 import torch
 
 from minivllm.distributed.kv_transfer.storage_format import (  # noqa: F401 (the connector's names)
-    FORMAT_VERSION, FolderWriter, KVStorageError, check_folder, check_meta, check_storage_path,
-    prefix_hashes, read_layer_file, read_meta)
+    FORMAT_VERSION, FolderWriter, KVStorageError, check_meta, check_storage_path, prefix_hashes,
+    read_layer_file, read_meta)
 
 STATS = ("num_lookups", "num_lookup_hits", "num_matched_tokens", "num_invalid_folders",
          "num_loaded_tokens", "num_loaded_bytes", "load_time_s", "num_load_errors",
@@ -123,8 +123,19 @@ class SharedStorage:
             return False
 
     def _check(self, name: str, token_ids: list[int], verify_data: bool) -> None:
-        check_folder(self.folder(name), token_ids, self.fingerprint(),
-                     expected_layout(self._vllm_config), verify_data)
+        """The whole folder of one prefix, raising ``KVStorageError`` at the first fault:
+        ``meta.json`` against this model and prompt, then every layer file. With ``verify_data``
+        every byte of it (size, CRC32, dtype and shape: ``read_layer_file``); without, only its
+        header and size, which reads no data (storage_headers.py)."""
+        folder = self.folder(name)
+        meta = read_meta(folder)
+        check_meta(meta, folder, token_ids, self.fingerprint(), expected_layout(self._vllm_config))
+        for layer_name in meta["layers"]:
+            if verify_data:
+                read_layer_file(folder, layer_name, meta)
+            else:
+                from minivllm.distributed.kv_transfer.storage_headers import check_header
+                check_header(folder, layer_name, meta)
 
     def lookup(self, prompt: list[int], block_size: int, n_max: int, num_computed_tokens: int,
                verify_data: bool) -> tuple[int, str]:

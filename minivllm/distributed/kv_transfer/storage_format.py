@@ -110,29 +110,9 @@ def check_meta(meta: dict[str, Any], folder: str, token_ids: list[int], fingerpr
         raise KVStorageError(f"{folder}: layers {sorted(set(layer_names) - set(layers))[:3]} missing")
 
 
-def check_layer_file(folder: str, layer_name: str, meta: dict[str, Any], verify_data: bool) -> None:
-    """One layer file. With ``verify_data`` every byte: size, CRC32, dtype and shape
-    (``read_layer_file``); without, only its header and size, which reads no data
-    (storage_headers.py)."""
-    if verify_data:
-        read_layer_file(folder, layer_name, meta)
-    else:
-        from minivllm.distributed.kv_transfer.storage_headers import check_header
-        check_header(folder, layer_name, meta)
-
-
-def check_folder(folder: str, token_ids: list[int], fingerprint: str, layout: dict[str, Any],
-                 verify_data: bool) -> None:
-    """The whole folder of one prefix: ``meta.json`` against this model and prompt, then every
-    layer file (``check_layer_file``); raises ``KVStorageError`` at the first fault."""
-    meta = read_meta(folder)
-    check_meta(meta, folder, token_ids, fingerprint, layout)
-    for layer_name in meta["layers"]:
-        check_layer_file(folder, layer_name, meta, verify_data)
-
-
 def read_layer_file(folder: str, layer_name: str, meta: dict[str, Any]) -> torch.Tensor:
-    """The layer's stored KV ``[2, n, num_kv_heads * head_dim]``, checked against its CRC32."""
+    """The layer's stored KV ``[2, n, num_kv_heads * head_dim]``, checked against ``meta.json``:
+    its size and CRC32, then its dtype and shape."""
     path = os.path.join(folder, f"{layer_name}.safetensors")
     info = meta["layers"].get(layer_name)
     if info is None:

@@ -127,15 +127,13 @@ class SharedStorage:
         ``meta.json`` against this model and prompt, then every layer file. With ``verify_data``
         every byte of it (size, CRC32, dtype and shape: ``read_layer_file``); without, only its
         header and size, which reads no data (storage_headers.py)."""
-        folder = self.folder(name)
-        meta = read_meta(folder)
-        check_meta(meta, folder, token_ids, self.fingerprint(), expected_layout(self._vllm_config))
+        meta = self.open(name, token_ids, expected_layout(self._vllm_config))
         for layer_name in meta["layers"]:
             if verify_data:
-                read_layer_file(folder, layer_name, meta)
+                self.read_layer(name, layer_name, meta)
             else:
                 from minivllm.distributed.kv_transfer.storage_headers import check_header
-                check_header(folder, layer_name, meta)
+                check_header(self.folder(name), layer_name, meta)
 
     def lookup(self, prompt: list[int], block_size: int, n_max: int, num_computed_tokens: int,
                verify_data: bool) -> tuple[int, str]:
@@ -159,8 +157,9 @@ class SharedStorage:
 
     # ------------------------------------------------------------------ worker side: loads
     def open(self, name: str, token_ids: list[int], layout: dict[str, Any],
-             layer_names: list[str]) -> dict[str, Any]:
-        """The folder's checked ``meta.json`` (for ``read_layer``); raises ``KVStorageError``."""
+             layer_names: Optional[list[str]] = None) -> dict[str, Any]:
+        """The folder's ``meta.json``, checked against this model, the prompt prefix, ``layout``
+        and (a load's) ``layer_names``; raises ``KVStorageError``. Then ``read_layer``."""
         folder = self.folder(name)
         meta = read_meta(folder)
         check_meta(meta, folder, token_ids, self.fingerprint(), layout, layer_names)

@@ -114,9 +114,7 @@ def read_layer_file(folder: str, layer_name: str, meta: dict[str, Any]) -> torch
     """The layer's stored KV ``[2, n, num_kv_heads * head_dim]``, checked against ``meta.json``:
     its size and CRC32, then its dtype and shape."""
     path = os.path.join(folder, f"{layer_name}.safetensors")
-    info = meta["layers"].get(layer_name)
-    if info is None:
-        raise KVStorageError(f"{folder}: layer {layer_name} not stored")
+    info = meta["layers"][layer_name]   # listed: open() checked the layers before any read
     try:
         with open(path, "rb") as fh:
             data = fh.read()

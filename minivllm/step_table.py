@@ -97,11 +97,11 @@ STEPS: tuple[Step, ...] = (
          "type(connector).__name__, connector.role"),
     Step("pd.async_wait", "An asynchronous load starts: the request waits in "
          "WAITING_FOR_REMOTE_KVS, blocks allocated, while the worker fetches its KV.",
-         "KVTransferMixin._start_async_load", "core/sched/kv_transfer.py",
-         "request.request_id, num_external_computed_tokens, self.waiting_for_remote_kvs"),
+         "start_async_load", "core/sched/kv_holding.py",
+         "request.request_id, num_external_computed_tokens, sched.waiting_for_remote_kvs"),
     Step("pd.async_ready", "The worker reported the load done (finished_recving): the loaded tokens "
          "count as computed and the request is scheduled again.",
-         "KVTransferMixin._update_waiting_for_remote_kv", "core/sched/kv_transfer.py",
+         "update_waiting_for_remote_kv", "core/sched/kv_holding.py",
          "req_id, num_computed_tokens"),
 )
 REGISTRY: dict[str, Step] = {s.id: s for s in STEPS}

@@ -1,59 +1,34 @@
 """The scheduler's KV-transfer bookkeeping, mirroring the parts of vllm/v1/core/sched/scheduler.py
-that only a KV connector exercises: the asynchronous-load path of the waiting loop (parking a
-request whose load is asynchronous in ``WAITING_FOR_REMOTE_KVS``, ``_start_async_load``; taking it
-up again from ``kv_holding_waiting`` once the load landed, ``schedule_kv_holding`` and
-``_update_waiting_for_remote_kv``), failed loads (``_handle_invalid_blocks``), the worker's
-finished transfers (``_update_from_kv_xfer_finished``), and the delayed free of finished requests
-whose blocks a transfer still uses (``_delay_or_free``). A mixin of ``Scheduler``, kept apart so that the
-scheduling loops read in one sitting, the synchronous path straight through; what it uses of the
-scheduler is declared in ``SchedulerState`` (utils.py). Beside it, read only when needed (the
-article's examples never need them): kv_holding.py, the queue's scan once a request waits there;
-failed_loads.py, once a worker reports a failed load.
+that only a KV connector exercises. A mixin of ``Scheduler``, kept apart so that the scheduling
+loops read in one sitting, the synchronous path straight through; what it uses of the scheduler is
+declared in ``SchedulerState`` (utils.py).
 
-Delayed free (vLLM's ``_free_request`` / ``_update_from_kv_xfer_finished``): a finished request
-leaves ``running`` / ``waiting`` at once, but its blocks and its ``requests`` entry stay while
-(a) the connector's ``request_finished`` returned ``delay_free=True``, until the worker reports
-the request in ``finished_sending`` (P in the pull model: D reads P's blocks after P finished), or
-(b) an asynchronous load still writes into them, until ``finished_recving`` (an abort while
-``WAITING_FOR_REMOTE_KVS``; the scheduler does this for every connector).
-Step records: ``"delay_free"`` (req_id, reasons, block_ids) when a finished request keeps its
-blocks, ``"delayed_free_done"`` (req_id, reason, block_ids) when they are freed at last (and
-``"kv_load_failed"``: failed_loads.py).
+The article's connector loads synchronously, inside the step, and frees a finished request's
+blocks at once: that is all its examples run here (``_computed_block_ids``, ``_delay_or_free``).
+Each method below keeps vLLM's name on the scheduler; what only other connectors or faults
+exercise sits beside it, in a file read only when needed:
+kv_holding.py, the asynchronous-load path (``_start_async_load``, the ``kv_holding_waiting``
+queue, ``WAITING_FOR_REMOTE_KVS``, vLLM's ``_update_waiting_for_remote_kv``); delayed_free.py, the worker's finished transfers and the
+finished requests whose blocks a transfer still uses; failed_loads.py, once a worker reports a
+failed load (``_handle_invalid_blocks``, ``kv_load_failure_policy``).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from minivllm import trace
 from minivllm.core.sched.utils import ComputedTokens, ScheduledRequests, SchedulerState
-from minivllm.request import Request, RequestStatus
+from minivllm.request import Request
 from minivllm.utils import cdiv
 
 
 class KVTransferMixin(SchedulerState):
     # ------------------------------------------------------------------ asynchronous loads
     def _start_async_load(self, request: Request, computed_tokens: ComputedTokens) -> bool:
-        """Load first, compute later: the connector's ``load_kv_async``. Blocks for the local
-        hits and the external tokens only, not cached until the load lands; then the request
-        waits in ``WAITING_FOR_REMOTE_KVS`` while the worker fetches in the background and other
-        requests keep running. Returns False (nothing changed) when the blocks do not fit."""
-        (new_computed_blocks, num_new_local_computed_tokens, num_external_computed_tokens,
-         num_computed_tokens, _) = computed_tokens
-        # No lookahead while the load is pending, as vLLM 0.32 (scheduler.py): nothing is
-        # computed yet, so nothing drafts. The request gets its k slots once it runs.
-        new_blocks = self._allocate_and_update_state(
-            request, num_new_tokens=0, num_new_local_computed_tokens=num_new_local_computed_tokens,
-            new_computed_blocks=new_computed_blocks,
-            num_external_computed_tokens=num_external_computed_tokens, num_lookahead_tokens=0,
-            delay_cache_blocks=True)
-        if new_blocks is None:
-            return False
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.waiting_for_remote_kvs[request.request_id] = num_computed_tokens
-        trace.record("remote_kv_wait", req_id=request.request_id,
-                     num_local_computed_tokens=num_new_local_computed_tokens,
-                     num_external_computed_tokens=num_external_computed_tokens)
-        return True
+        """Load first, compute later (the connector's ``load_kv_async``): the request waits in
+        ``WAITING_FOR_REMOTE_KVS`` while the worker fetches its KV (kv_holding.py). Returns
+        False (nothing changed) when its blocks do not fit."""
+        from minivllm.core.sched.kv_holding import start_async_load
+        return start_async_load(self, request, computed_tokens)
 
     def schedule_kv_holding(self, scheduled: ScheduledRequests) -> bool:
         """vLLM 0.32's ``kv_holding_waiting`` queue, scanned before ``waiting``: the requests whose
@@ -91,59 +66,20 @@ class KVTransferMixin(SchedulerState):
         return block_ids[:cdiv(max(request.num_computed_tokens, 0), self.block_size)]
 
     def _delay_or_free(self, request: Request, sending: bool, recving: bool) -> None:
-        reasons = ({"sending"} if sending else set()) | ({"recving"} if recving else set())
-        if reasons:
-            self.delayed_free[request.request_id] = reasons
-            trace.record("delay_free", req_id=request.request_id, reasons=sorted(reasons),
-                         block_ids=self.kv_cache_manager.get_block_ids(request.request_id)[0])
+        """A finished request's blocks are freed at once, unless a transfer still uses them:
+        the connector's worker reads them out (``sending``) or a load still writes into them
+        (``recving``); then they wait for the worker's report (delayed_free.py)."""
+        if sending or recving:
+            from minivllm.core.sched.delayed_free import delay_free
+            delay_free(self, request, sending, recving)
         else:
             self.kv_cache_manager.free(request)
             del self.requests[request.request_id]
 
-    def _release_delayed(self, req_id: str, reason: str) -> bool:
-        """One transfer holding a finished request's blocks completed; free them once none does.
-        Returns whether ``req_id`` was a delayed finished request."""
-        reasons = self.delayed_free.get(req_id)
-        if reasons is None:
-            return False
-        reasons.discard(reason)
-        if not reasons:
-            del self.delayed_free[req_id]
-            request = self.requests.pop(req_id)
-            trace.record("delayed_free_done", req_id=req_id, reason=reason,
-                         block_ids=self.kv_cache_manager.get_block_ids(req_id)[0])
-            self.kv_cache_manager.free(request)
-        return True
-
     def _update_from_kv_xfer_finished(self, kv_out: Any) -> None:
-        """vLLM's ``_update_from_kv_xfer_finished``: loads wake their request up in the next
-        ``schedule()``; a finished request's held blocks are freed once its last transfer is done
-        (``finished_sending`` on the producer, ``finished_recving`` after an abort)."""
+        """vLLM's ``_update_from_kv_xfer_finished``: the connector sees the worker's output; a
+        finished load or send (asynchronous connectors only) is taken up in delayed_free.py."""
         self.connector.update_connector_output(kv_out)
-        for req_id in (kv_out.finished_recving or ()):
-            if self._release_delayed(req_id, "recving"):
-                continue
-            request = self.requests.get(req_id)
-            if request is not None and not request.is_finished():
-                self.finished_recving_kv_req_ids.add(req_id)
-        for req_id in (kv_out.finished_sending or ()):
-            self._release_delayed(req_id, "sending")
-
-    def _update_waiting_for_remote_kv(self, request: Request) -> bool:
-        """vLLM's ``_update_waiting_for_remote_kv``: once the load is reported, the request's loaded
-        tokens count as computed (only those before a failed block) and its full blocks enter the
-        prefix cache. Returns whether the request can be scheduled now."""
-        req_id = request.request_id
-        if req_id not in self.finished_recving_kv_req_ids:
-            return False
-        self.finished_recving_kv_req_ids.remove(req_id)
-        num_computed_tokens = min(self.waiting_for_remote_kvs.pop(req_id), request.num_tokens - 1)
-        if num_computed_tokens == 0:   # the first block already failed: start over, lookup included
-            self.kv_cache_manager.free(request)
-        elif self.kv_cache_manager.enable_caching:
-            self.kv_cache_manager.cache_blocks(request, num_computed_tokens)
-        request.num_computed_tokens = num_computed_tokens
-        request.num_external_computed_tokens = min(request.num_external_computed_tokens,
-                                                   num_computed_tokens)
-        trace.record("remote_kv_ready", req_id=req_id, num_computed_tokens=num_computed_tokens)
-        return True
+        if kv_out.finished_recving or kv_out.finished_sending:
+            from minivllm.core.sched.delayed_free import update_from_kv_xfer_finished
+            update_from_kv_xfer_finished(self, kv_out)

@@ -14,7 +14,8 @@ article's order. Differences from vLLM (VLLM_REFERENCE 6.3), on purpose:
   multiples of bs, so D finds P's folder when D's prompt is P's plus the generated token, even when
   P's length is a multiple of bs (vLLM then looks up one folder and loads another);
 - the match is clamped at 0, and only blocks beyond the local prefix hit are written;
-- a store is emitted in the step whose forward completes the prefix (chunked prefill);
+- a store is emitted in the step whose forward completes the prefix (chunked prefill:
+  shared_storage_cached.py, with a preempted request's re-load);
 - bad folders (missing, truncated, corrupt, another model) are skipped at lookup with a warning,
   so they are recomputed; a layer that still fails at load time (a file changed after the lookup)
   is reported by ``get_block_ids_with_load_errors()``.
@@ -166,21 +167,13 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 token_ids, folder, start = load
                 meta.add_request(req.req_id, token_ids=token_ids, folder=folder, block_ids=block_ids,
                                  block_size=bs, is_store=False, start=start)
-            self._maybe_track_store(req.req_id, req.prompt_token_ids, block_ids)
+            self._maybe_track_store(req.req_id, req.prompt_token_ids, block_ids,
+                                    num_loaded=len(load[0]) if load is not None else 0)
         cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            new_ids = list(cached.new_block_ids[i][0]) if cached.new_block_ids[i] else []
-            num_computed[req_id] = cached.num_computed_tokens[i]
-            resumed = req_id in cached.resumed_req_ids
-            load = self._requests_need_load.pop(req_id, None)
-            if load is not None:     # a preempted request re-loads into its new block list
-                assert resumed, f"{req_id}: a load can only start a (re)scheduled request"
-                token_ids, folder, start = load
-                meta.add_request(req_id, token_ids=token_ids, folder=folder, block_ids=new_ids,
-                                 block_size=bs, is_store=False, start=start)
-            if req_id in self._pending_stores:
-                ids, name, blocks = self._pending_stores[req_id]
-                self._pending_stores[req_id] = (ids, name, new_ids if resumed else blocks + new_ids)
+        if cached.req_ids and (self._requests_need_load or self._pending_stores):
+            # A resumed request re-loads; a prefix prefilled in chunks collects its new blocks.
+            from minivllm.distributed.kv_transfer.shared_storage_cached import update_cached_requests
+            update_cached_requests(self, meta, cached, num_computed)
         assert not self._requests_need_load, (
             f"loads counted but not scheduled: {sorted(self._requests_need_load)}")
         stored_now: set[str] = set()
@@ -195,11 +188,13 @@ class SharedStorageConnector(KVConnectorBase_V1):
                                      block_size=bs, is_store=True)
         return meta
 
-    def _maybe_track_store(self, req_id: str, prompt: list[int], block_ids: list[int]) -> None:
+    def _maybe_track_store(self, req_id: str, prompt: list[int], block_ids: list[int],
+                           num_loaded: int) -> None:
         """vLLM's ``_found_match_for_prompt`` test before a store: a prefix already stored (and
-        valid) is not stored again; a request either loads or stores, once."""
+        valid) is not stored again, nor the one this request loads whole (its lookup has just
+        checked it); a request either loads or stores, once."""
         n = align_to_block_size(len(prompt), self._block_size)
-        if not self._is_producer or n == 0:
+        if not self._is_producer or n <= num_loaded:
             return
         name = storage.prefix_hashes(prompt, self._block_size, n)[-1][1]
         if not self._storage.is_stored(name, prompt[:n]):
@@ -266,10 +261,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
         return nbytes
 
     def _load_failed(self, req: ReqMeta, err: Exception) -> None:
-        self._storage.count(num_load_errors=1)
-        self._invalid_block_ids.update(req.block_ids)
-        storage.warn(f"SharedStorageConnector: loading {req.req_id} failed ({err}); "
-                     f"blocks {req.block_ids} will be recomputed.")
+        """Report the request's blocks for recomputing, with a warning (storage_faults.py)."""
+        from minivllm.distributed.kv_transfer.storage_faults import load_failed
+        load_failed(self, req, err)
 
     @recorded
     def wait_for_layer_load(self, layer_name: str) -> None:

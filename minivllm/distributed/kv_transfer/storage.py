@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import time
-import warnings
 from typing import Any, Optional
 
 import torch
 
 from minivllm.distributed.kv_transfer.storage_format import (  # noqa: F401 (the connector's names)
-    FORMAT_VERSION, FolderWriter, KVStorageError, check_folder, check_meta, check_storage_path,
-    prefix_hashes, read_layer_file, read_meta)
+    FORMAT_VERSION, FolderWriter, KVStorageError, check_meta, check_storage_path, prefix_hashes,
+    read_layer_file, read_meta)
 
-logger = logging.getLogger(__name__)
 STATS = ("num_lookups", "num_lookup_hits", "num_matched_tokens", "num_invalid_folders",
          "num_loaded_tokens", "num_loaded_bytes", "load_time_s", "num_load_errors",
          "num_stored_tokens", "num_stored_bytes", "save_time_s", "num_folders_committed",
@@ -47,12 +44,6 @@ def layout_of(kv: torch.Tensor) -> dict[str, Any]:
     """KV layout of a paged cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
     return {"num_kv_heads": kv.shape[3], "head_dim": kv.shape[4],
             "dtype": str(kv.dtype).removeprefix("torch.")}
-
-
-def warn(msg: str) -> None:
-    """A fault the engine survives: logged, and a ``RuntimeWarning`` (tests and notebooks see it)."""
-    logger.warning(msg)
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 def model_fingerprint(vllm_config: Any) -> str:
@@ -100,7 +91,7 @@ class SharedStorage:
     publish a new folder; ``stats`` counts it all (names in ``STATS``, for ``LLM.get_metrics()``).
 
     A bad folder (missing, truncated, corrupt, another model) is never an error: lookups skip it
-    with a warning, and a store that fails is dropped with one."""
+    with a warning, and a store that fails is dropped with one (storage_faults.py)."""
 
     def __init__(self, root: str, vllm_config: Any) -> None:
         self.root = root
@@ -132,8 +123,17 @@ class SharedStorage:
             return False
 
     def _check(self, name: str, token_ids: list[int], verify_data: bool) -> None:
-        check_folder(self.folder(name), token_ids, self.fingerprint(),
-                     expected_layout(self._vllm_config), verify_data)
+        """The whole folder of one prefix, raising ``KVStorageError`` at the first fault:
+        ``meta.json`` against this model and prompt, then every layer file. With ``verify_data``
+        every byte of it (size, CRC32, dtype and shape: ``read_layer_file``); without, only its
+        header and size, which reads no data (storage_headers.py)."""
+        meta = self.open(name, token_ids, expected_layout(self._vllm_config))
+        for layer_name in meta["layers"]:
+            if verify_data:
+                self.read_layer(name, layer_name, meta)
+            else:
+                from minivllm.distributed.kv_transfer.storage_headers import check_header
+                check_header(self.folder(name), layer_name, meta)
 
     def lookup(self, prompt: list[int], block_size: int, n_max: int, num_computed_tokens: int,
                verify_data: bool) -> tuple[int, str]:
@@ -147,9 +147,9 @@ class SharedStorage:
                 continue
             try:
                 self._check(name, prompt[:n], verify_data)
-            except KVStorageError as e:
-                self.stats["num_invalid_folders"] += 1
-                warn(f"SharedStorageConnector: ignoring stored KV ({e}); recomputing.")
+            except KVStorageError as e:   # skipped with a warning (storage_faults.py)
+                from minivllm.distributed.kv_transfer.storage_faults import invalid_folder
+                invalid_folder(self, e)
                 continue
             self.count(num_lookup_hits=1, num_matched_tokens=n - num_computed_tokens)
             return n, name
@@ -157,8 +157,9 @@ class SharedStorage:
 
     # ------------------------------------------------------------------ worker side: loads
     def open(self, name: str, token_ids: list[int], layout: dict[str, Any],
-             layer_names: list[str]) -> dict[str, Any]:
-        """The folder's checked ``meta.json`` (for ``read_layer``); raises ``KVStorageError``."""
+             layer_names: Optional[list[str]] = None) -> dict[str, Any]:
+        """The folder's ``meta.json``, checked against this model, the prompt prefix, ``layout``
+        and (a load's) ``layer_names``; raises ``KVStorageError``. Then ``read_layer``."""
         folder = self.folder(name)
         meta = read_meta(folder)
         check_meta(meta, folder, token_ids, self.fingerprint(), layout, layer_names)
@@ -243,9 +244,6 @@ class SharedStorage:
         return outcome
 
     def _store_failed(self, req_id: str, name: str, err: Exception) -> None:
-        self.stats["num_store_errors"] += 1
-        warn(f"SharedStorageConnector: storing {req_id} failed ({err}); not stored.")
-        writer = self._writers.get(name)
-        if writer is not None:
-            writer.abort()
-        self._writers[name] = None
+        """Drop the folder with a warning; the step's other stores go on (storage_faults.py)."""
+        from minivllm.distributed.kv_transfer.storage_faults import store_failed
+        store_failed(self, req_id, name, err)

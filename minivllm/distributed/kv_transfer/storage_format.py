@@ -32,7 +32,6 @@ from safetensors.torch import save as st_save
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 KEY = "kv_cache"
-ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _META_SCHEMA = {"model_fingerprint": str, "num_tokens": int, "token_ids": list, "num_kv_heads": int,
                 "head_dim": int, "dtype": str, "layers": dict}
 
@@ -68,23 +67,6 @@ def check_storage_path(path: str, writable: bool) -> None:
             pass
     elif not os.access(path, os.R_OK | os.X_OK):
         raise PermissionError(f"cannot read {path}")
-
-
-def read_safetensors_header(path: str) -> tuple[dict[str, Any], int]:
-    """(header json, size the file must have) from the first bytes of a .safetensors file."""
-    with open(path, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) != 8:
-            raise KVStorageError(f"{path}: truncated header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 1 << 20:
-            raise KVStorageError(f"{path}: header length {n} is not plausible")
-        try:
-            header = json.loads(fh.read(n))
-            end = max(int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__")
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise KVStorageError(f"{path}: unreadable header ({e})") from None
-    return header, 8 + n + end
 
 
 def read_meta(folder: str) -> dict[str, Any]:
@@ -128,41 +110,11 @@ def check_meta(meta: dict[str, Any], folder: str, token_ids: list[int], fingerpr
         raise KVStorageError(f"{folder}: layers {sorted(set(layer_names) - set(layers))[:3]} missing")
 
 
-def check_layer_file(folder: str, layer_name: str, meta: dict[str, Any], verify_data: bool) -> None:
-    """Header, shape, dtype and size of one layer file (cheap); with ``verify_data`` its CRC too."""
-    path = os.path.join(folder, f"{layer_name}.safetensors")
-    info = meta["layers"][layer_name]
-    try:
-        size = os.path.getsize(path)
-        header, want = read_safetensors_header(path)
-    except OSError as e:
-        raise KVStorageError(f"{path}: {e.strerror or e}") from None
-    t = header.get(KEY)
-    shape = [2, meta["num_tokens"], meta["num_kv_heads"] * meta["head_dim"]]
-    if not isinstance(t, dict) or t.get("shape") != shape or t.get("dtype") != ST_DTYPES.get(meta["dtype"]):
-        raise KVStorageError(f"{path}: expected {KEY} {meta['dtype']} {shape}, found {t}")
-    if size != want or size != info.get("nbytes"):
-        raise KVStorageError(f"{path}: {size} bytes, expected {info.get('nbytes')} (truncated?)")
-    if verify_data:
-        read_layer_file(folder, layer_name, meta)
-
-
-def check_folder(folder: str, token_ids: list[int], fingerprint: str, layout: dict[str, Any],
-                 verify_data: bool) -> None:
-    """The whole folder of one prefix: ``meta.json`` against this model and prompt, then every
-    layer file (``check_layer_file``); raises ``KVStorageError`` at the first fault."""
-    meta = read_meta(folder)
-    check_meta(meta, folder, token_ids, fingerprint, layout)
-    for layer_name in meta["layers"]:
-        check_layer_file(folder, layer_name, meta, verify_data)
-
-
 def read_layer_file(folder: str, layer_name: str, meta: dict[str, Any]) -> torch.Tensor:
-    """The layer's stored KV ``[2, n, num_kv_heads * head_dim]``, checked against its CRC32."""
+    """The layer's stored KV ``[2, n, num_kv_heads * head_dim]``, checked against ``meta.json``:
+    its size and CRC32, then its dtype and shape."""
     path = os.path.join(folder, f"{layer_name}.safetensors")
-    info = meta["layers"].get(layer_name)
-    if info is None:
-        raise KVStorageError(f"{folder}: layer {layer_name} not stored")
+    info = meta["layers"][layer_name]   # listed: open() checked the layers before any read
     try:
         with open(path, "rb") as fh:
             data = fh.read()
@@ -175,8 +127,9 @@ def read_layer_file(folder: str, layer_name: str, meta: dict[str, Any]) -> torch
     except Exception as e:  # safetensors raises its own error types
         raise KVStorageError(f"{path}: unreadable ({e})") from None
     shape = (2, meta["num_tokens"], meta["num_kv_heads"] * meta["head_dim"])
-    if tuple(t.shape) != shape:
-        raise KVStorageError(f"{path}: shape {tuple(t.shape)} != {shape}")
+    if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != meta["dtype"]:
+        raise KVStorageError(f"{path}: expected {KEY} {meta['dtype']} {list(shape)}, "
+                             f"found {t.dtype} {list(t.shape)}")
     return t
 
 

@@ -310,8 +310,9 @@ class ModelRunner(SamplingMixin, KVConnectorModelRunnerMixin):
             max_tokens = state_i.sampling_params.max_tokens or self.max_model_len
             limits[req_id] = max(0, min(k, max_tokens - len(state_i.output_token_ids) - 1,
                                         self.max_model_len - 1 - int(batch.num_tokens_no_spec[i])))
-        if self.drafter.uses_target_hidden_states:
-            self.target_step_outputs = state.target_step_outputs(sampled_token_ids)
+        if self.drafter.uses_target_hidden_states:   # EAGLE, EAGLE-3, Medusa
+            from minivllm.worker.target_step import target_step_outputs
+            self.target_step_outputs = target_step_outputs(state, sampled_token_ids)
         drafts = self.drafter.propose_for_batch(self, limits, state.scheduler_output)
         self.target_step_outputs = None
         trace.record("spec_propose", drafts={r: list(d) for r, d in drafts.items()})

@@ -14,7 +14,6 @@ from minivllm.core.sched.output import SchedulerOutput
 
 if TYPE_CHECKING:   # loaded with spec decode only
     from minivllm.spec_decode.metadata import SpecDecodeMetadata
-    from minivllm.spec_decode.utils import TargetStepOutputs
 
 
 @dataclass
@@ -25,7 +24,6 @@ class ModelRunnerOutput:
     # prefill chunk.
     sampled_token_ids: list[list[int]]
     kv_connector_output: Any = None
-    timings: dict[str, float] = field(default_factory=dict)
     # vLLM's logprobs (LogprobsLists): per request row ``None`` or, per sampled token, the
     # ``(token_ids, logprobs, rank)`` of the sampled token first and then the top k.
     logprobs: Optional[list[Optional[list[tuple[list[int], list[float], int]]]]] = None
@@ -39,7 +37,8 @@ class ModelRunnerOutput:
 class ExecuteModelState:
     """What ``execute_model`` leaves for ``sample_tokens`` (vLLM 0.32's ``ExecuteModelState``):
     ``T`` scheduled tokens of ``n`` requests, ``S`` sampled rows (one per request, plus one per
-    scheduled draft)."""
+    scheduled draft). The learned drafters read it as a ``TargetStepOutputs``
+    (worker/target_step.py)."""
     scheduler_output: SchedulerOutput
     logits: torch.Tensor                  # [S, vocab]
     spec_decode_metadata: Optional[SpecDecodeMetadata]
@@ -51,13 +50,3 @@ class ExecuteModelState:
     aux_hidden_states: Optional[list[torch.Tensor]]   # EAGLE-3: 3 x [T, H], else None
     logits_indices: torch.Tensor          # [S] rows of hidden_states the logits come from
     kv_connector_output: Any = None
-
-    def target_step_outputs(self, sampled_token_ids: list[list[int]]) -> TargetStepOutputs:
-        """The target's step as the learned drafters read it (``uses_target_hidden_states``)."""
-        from minivllm.spec_decode.utils import TargetStepOutputs
-        md = self.attn_metadata
-        return TargetStepOutputs(
-            self.input_ids.cpu().numpy(), self.positions.cpu().numpy(),
-            md.slot_mapping.cpu().numpy(), md.query_start_loc.cpu().numpy(), self.seq_lens,
-            self.hidden_states, self.aux_hidden_states, self.logits_indices,
-            self.spec_decode_metadata, sampled_token_ids)

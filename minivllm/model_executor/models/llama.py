@@ -99,23 +99,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, f"model.layers.{i}", attention_backend) for i in range(num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # EAGLE-3: indices of the layers whose *incoming* residual stream is also returned.
-        self.aux_hidden_state_layers: tuple[int, ...] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor):
-        """-> final-normed hidden states ``[num_tokens, H]``; with ``aux_hidden_state_layers`` set,
-        ``(hidden_states, [aux [num_tokens, H] per layer, in layer order])`` (vLLM's layout)."""
+        """-> final-normed hidden states ``[num_tokens, H]``; once EAGLE-3 tapped layers
+        (``LlamaForCausalLM.set_aux_hidden_state_layers``), ``(hidden_states, [aux [num_tokens, H]
+        per tapped layer, in layer order])`` (vLLM's layout)."""
         hidden_states = self.embed_tokens(input_ids)
         residual = None
-        aux_hidden_states = []
-        for idx, layer in enumerate(self.layers):
-            if idx in self.aux_hidden_state_layers:   # un-normalised stream entering layer idx
-                aux_hidden_states.append(hidden_states if residual is None
-                                         else hidden_states + residual)
+        for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
-        if aux_hidden_states:
-            return hidden_states, aux_hidden_states
         return hidden_states
 
 
@@ -185,8 +178,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
-        """EAGLE-3 (vLLM ``SupportsEagle3``): also return the residual stream entering ``layers``."""
-        self.model.aux_hidden_state_layers = tuple(layers)
+        """EAGLE-3 (vLLM ``SupportsEagle3``): also return the residual stream entering ``layers``
+        (forward hooks, beside: eagle3_taps.py)."""
+        from minivllm.model_executor.models.eagle3_taps import tap_aux_hidden_states
+        tap_aux_hidden_states(self.model, layers)
 
     def get_eagle3_aux_hidden_state_layers(self) -> tuple[int, ...]:
         """vLLM's default taps: the stream entering layers 2, L // 2 and L - 3."""

@@ -188,11 +188,11 @@ class SpeculativeConfig:
         return cls(**cfg)
 
     def verify_with_hf_config(self, hf_config: Any) -> None:
-        """A self-draft keeps at least one of the target's layers and drops at least one."""
-        n = hf_config.num_hidden_layers
-        if self.draft_num_layers is not None and not 1 <= self.draft_num_layers <= n - 1:
-            raise ValueError(f"speculative_config.draft_num_layers must be in [1, {n - 1}] "
-                             f"for this {n}-layer model, got {self.draft_num_layers}.")
+        """The checks that need the checkpoint's config: a self-draft's layer count (beside, in
+        speculative_options.py, as the draft model's other options)."""
+        if self.draft_num_layers is not None:
+            from minivllm.speculative_options import check_draft_num_layers
+            check_draft_num_layers(self, hf_config)
 
 
 @dataclass

@@ -5,7 +5,7 @@ article's configuration reads without the options of methods it does not use.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from minivllm.config import SpeculativeConfig
@@ -50,3 +50,11 @@ def check_suffix_options(spec: "SpeculativeConfig") -> None:
     if spec.model is not None or spec.draft_num_layers is not None:
         raise ValueError("speculative_config method 'suffix' drafts from the requests' own "
                          "tokens: it takes no 'model' or 'draft_num_layers'.")
+
+
+def check_draft_num_layers(spec: "SpeculativeConfig", hf_config: Any) -> None:
+    """A self-draft keeps at least one of the target's layers and drops at least one."""
+    n = hf_config.num_hidden_layers
+    if not 1 <= spec.draft_num_layers <= n - 1:
+        raise ValueError(f"speculative_config.draft_num_layers must be in [1, {n - 1}] "
+                         f"for this {n}-layer model, got {spec.draft_num_layers}.")

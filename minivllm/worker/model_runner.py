@@ -136,8 +136,7 @@ class ModelRunner(SamplingMixin, KVConnectorModelRunnerMixin):
             if req_id not in batch.req_id_to_index:
                 batch.add_request(self.requests[req_id])
         # Article step 5: copy the scheduled drafts into token_ids_cpu after the real tokens.
-        for req_id in batch.req_ids:
-            row = batch.req_id_to_index[req_id]
+        for row, req_id in enumerate(batch.req_ids):
             drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
             start = batch.num_tokens_no_spec[row]
             batch.token_ids_cpu[row, start:start + len(drafts)] = drafts

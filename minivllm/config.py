@@ -12,7 +12,6 @@ from typing import Any, Optional
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "suffix")
 # Methods whose drafter is a trained head over the target's hidden states (DESIGN 5.1).
 LEARNED_DRAFTER_METHODS = ("eagle", "eagle3", "medusa")
-NGRAM_MATCH_RULES = ("first", "last")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_attn", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -155,12 +154,10 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= "
                                  f"prompt_lookup_max ({hi}).")
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
-            if self.ngram_match not in NGRAM_MATCH_RULES:
-                raise ValueError(f"speculative_config.ngram_match must be one of "
-                                 f"{NGRAM_MATCH_RULES}, got {self.ngram_match!r}.")
-        if self.method != "ngram" or self.draft_sample_method != "greedy":
-            # The options of the methods that came after the article's n-gram are checked beside
-            # this class, in a module loaded only when one of them is asked for.
+        if (self.method, self.ngram_match, self.draft_sample_method) != ("ngram", "first", "greedy"):
+            # The options the article's n-gram example leaves at their defaults, and those of the
+            # methods that came after it, are checked beside this class, in a module loaded only
+            # when one of them is asked for.
             from minivllm.speculative_options import check_drafter_options
             check_drafter_options(self)
 

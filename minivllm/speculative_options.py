@@ -1,6 +1,6 @@
 """``SpeculativeConfig``'s checks for the methods that came after the article's n-gram: the draft
 model, the drafters' sampling, and suffix decoding (vLLM 0.32: ``config/speculative.py``, with
-``_validate_suffix_decoding``). ``config.py`` loads this only when one of them is asked for, so the
+``_validate_suffix_decoding``); and n-gram's minivllm-only ``ngram_match`` rule. ``config.py`` loads this only when one of them is asked for, so the
 article's configuration reads without the options of methods it does not use.
 """
 from __future__ import annotations
@@ -11,10 +11,14 @@ if TYPE_CHECKING:
     from minivllm.config import SpeculativeConfig
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+NGRAM_MATCH_RULES = ("first", "last")
 
 
 def check_drafter_options(spec: "SpeculativeConfig") -> None:
     """Raises ``ValueError`` naming the field and what it allows."""
+    if spec.method == "ngram" and spec.ngram_match not in NGRAM_MATCH_RULES:
+        raise ValueError(f"speculative_config.ngram_match must be one of "
+                         f"{NGRAM_MATCH_RULES}, got {spec.ngram_match!r}.")
     if spec.method == "draft_model":
         if (spec.model is None) == (spec.draft_num_layers is None):
             raise ValueError("speculative_config for method 'draft_model' needs exactly one of "

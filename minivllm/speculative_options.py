@@ -1,20 +1,24 @@
 """``SpeculativeConfig``'s checks for the methods that came after the article's n-gram: the draft
 model, the drafters' sampling, and suffix decoding (vLLM 0.32: ``config/speculative.py``, with
-``_validate_suffix_decoding``). ``config.py`` loads this only when one of them is asked for, so the
+``_validate_suffix_decoding``); and n-gram's minivllm-only ``ngram_match`` rule. ``config.py`` loads this only when one of them is asked for, so the
 article's configuration reads without the options of methods it does not use.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from minivllm.config import SpeculativeConfig
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+NGRAM_MATCH_RULES = ("first", "last")
 
 
 def check_drafter_options(spec: "SpeculativeConfig") -> None:
     """Raises ``ValueError`` naming the field and what it allows."""
+    if spec.method == "ngram" and spec.ngram_match not in NGRAM_MATCH_RULES:
+        raise ValueError(f"speculative_config.ngram_match must be one of "
+                         f"{NGRAM_MATCH_RULES}, got {spec.ngram_match!r}.")
     if spec.method == "draft_model":
         if (spec.model is None) == (spec.draft_num_layers is None):
             raise ValueError("speculative_config for method 'draft_model' needs exactly one of "
@@ -50,3 +54,11 @@ def check_suffix_options(spec: "SpeculativeConfig") -> None:
     if spec.model is not None or spec.draft_num_layers is not None:
         raise ValueError("speculative_config method 'suffix' drafts from the requests' own "
                          "tokens: it takes no 'model' or 'draft_num_layers'.")
+
+
+def check_draft_num_layers(spec: "SpeculativeConfig", hf_config: Any) -> None:
+    """A self-draft keeps at least one of the target's layers and drops at least one."""
+    n = hf_config.num_hidden_layers
+    if not 1 <= spec.draft_num_layers <= n - 1:
+        raise ValueError(f"speculative_config.draft_num_layers must be in [1, {n - 1}] "
+                         f"for this {n}-layer model, got {spec.draft_num_layers}.")

@@ -32,7 +32,6 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.layer_name = prefix
-        self.backend_name = backend
         self.backend = get_attn_backend(backend)
         self.kv_cache = torch.empty(0)
 

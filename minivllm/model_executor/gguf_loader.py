@@ -1,6 +1,6 @@
-"""The slow, first-start half of finding a checkpoint (model_loader.py holds the rest): a GGUF
-file dequantised into a cached safetensors directory (the role of vLLM's
-model_loader/gguf_loader.py, which reads GGUF weights directly instead), and a hub download.
+"""The slow, first-start half of finding a checkpoint (checkpoint_sources.py finds it,
+model_loader.py loads it): a GGUF file dequantised into a cached safetensors directory (the role of
+vLLM's model_loader/gguf_loader.py, which reads GGUF weights directly instead), and a hub download.
 Loaded only when the cache does not hold the model yet.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ def convert_gguf(gguf_path: str, target: str, check_config: Callable[[dict, str]
     """Dequantise ``gguf_path`` into ``target``, written under a temporary name and renamed when
     complete, so an interrupted conversion never leaves a half-written cache that a later start
     would trust. ``check_config(config dict, name)`` refuses a model we cannot run, before the slow
-    part; ``is_complete(dir)`` tells a finished conversion (model_loader.py's)."""
+    part; ``is_complete(dir)`` tells a finished conversion (checkpoint_sources.py's)."""
     stem = os.path.basename(target)
     os.makedirs(cache_dir(), exist_ok=True)
     print(f"Converting {gguf_path} once into {target} (dequantised to float32; later starts "

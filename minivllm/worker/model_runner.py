@@ -136,8 +136,7 @@ class ModelRunner(SamplingMixin, KVConnectorModelRunnerMixin):
             if req_id not in batch.req_id_to_index:
                 batch.add_request(self.requests[req_id])
         # Article step 5: copy the scheduled drafts into token_ids_cpu after the real tokens.
-        for req_id in batch.req_ids:
-            row = batch.req_id_to_index[req_id]
+        for row, req_id in enumerate(batch.req_ids):
             drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
             start = batch.num_tokens_no_spec[row]
             batch.token_ids_cpu[row, start:start + len(drafts)] = drafts
@@ -310,8 +309,9 @@ class ModelRunner(SamplingMixin, KVConnectorModelRunnerMixin):
             max_tokens = state_i.sampling_params.max_tokens or self.max_model_len
             limits[req_id] = max(0, min(k, max_tokens - len(state_i.output_token_ids) - 1,
                                         self.max_model_len - 1 - int(batch.num_tokens_no_spec[i])))
-        if self.drafter.uses_target_hidden_states:
-            self.target_step_outputs = state.target_step_outputs(sampled_token_ids)
+        if self.drafter.uses_target_hidden_states:   # EAGLE, EAGLE-3, Medusa
+            from minivllm.spec_decode.utils import TargetStepOutputs
+            self.target_step_outputs = TargetStepOutputs.from_state(state, sampled_token_ids)
         drafts = self.drafter.propose_for_batch(self, limits, state.scheduler_output)
         self.target_step_outputs = None
         trace.record("spec_propose", drafts={r: list(d) for r, d in drafts.items()})

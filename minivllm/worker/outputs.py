@@ -14,7 +14,6 @@ from minivllm.core.sched.output import SchedulerOutput
 
 if TYPE_CHECKING:   # loaded with spec decode only
     from minivllm.spec_decode.metadata import SpecDecodeMetadata
-    from minivllm.spec_decode.utils import TargetStepOutputs
 
 
 @dataclass
@@ -25,7 +24,6 @@ class ModelRunnerOutput:
     # prefill chunk.
     sampled_token_ids: list[list[int]]
     kv_connector_output: Any = None
-    timings: dict[str, float] = field(default_factory=dict)
     # vLLM's logprobs (LogprobsLists): per request row ``None`` or, per sampled token, the
     # ``(token_ids, logprobs, rank)`` of the sampled token first and then the top k.
     logprobs: Optional[list[Optional[list[tuple[list[int], list[float], int]]]]] = None
@@ -39,7 +37,8 @@ class ModelRunnerOutput:
 class ExecuteModelState:
     """What ``execute_model`` leaves for ``sample_tokens`` (vLLM 0.32's ``ExecuteModelState``):
     ``T`` scheduled tokens of ``n`` requests, ``S`` sampled rows (one per request, plus one per
-    scheduled draft)."""
+    scheduled draft). The learned drafters read it as a ``TargetStepOutputs``
+    (``TargetStepOutputs.from_state``, spec_decode/utils.py)."""
     scheduler_output: SchedulerOutput
     logits: torch.Tensor                  # [S, vocab]
     spec_decode_metadata: Optional[SpecDecodeMetadata]
@@ -51,9 +50,3 @@ class ExecuteModelState:
     aux_hidden_states: Optional[list[torch.Tensor]]   # EAGLE-3: 3 x [T, H], else None
     logits_indices: torch.Tensor          # [S] rows of hidden_states the logits come from
     kv_connector_output: Any = None
-
-    def target_step_outputs(self, sampled_token_ids: list[list[int]]) -> TargetStepOutputs:
-        """The target's step as the learned drafters read it (``uses_target_hidden_states``;
-        spec_decode/utils.py)."""
-        from minivllm.spec_decode.utils import TargetStepOutputs
-        return TargetStepOutputs.from_state(self, sampled_token_ids)

@@ -26,7 +26,7 @@ from minivllm.model_executor.activation import SiluAndMul
 from minivllm.model_executor.layernorm import RMSNorm
 from minivllm.model_executor.linear import Linear, MergedColumnParallelLinear, QKVParallelLinear
 from minivllm.model_executor.rotary_embedding import (  # noqa: F401  (re-exported, as before)
-    SUPPORTED_ROPE_TYPES, RotaryEmbedding, get_rope, rope_config)
+    RotaryEmbedding, get_rope, rope_config)
 
 
 
@@ -99,24 +99,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, f"model.layers.{i}", attention_backend) for i in range(num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # EAGLE-3: indices of the layers whose *incoming* residual stream is also returned.
-        self.aux_hidden_state_layers: tuple[int, ...] = ()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: Optional[torch.Tensor] = None):
-        """-> final-normed hidden states ``[num_tokens, H]``; with ``aux_hidden_state_layers`` set,
-        ``(hidden_states, [aux [num_tokens, H] per layer, in layer order])`` (vLLM's layout)."""
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """-> final-normed hidden states ``[num_tokens, H]``; once EAGLE-3 tapped layers
+        (``LlamaForCausalLM.set_aux_hidden_state_layers``), ``(hidden_states, [aux [num_tokens, H]
+        per tapped layer, in layer order])`` (vLLM's layout)."""
+        hidden_states = self.embed_tokens(input_ids)
         residual = None
-        aux_hidden_states = []
-        for idx, layer in enumerate(self.layers):
-            if idx in self.aux_hidden_state_layers:   # un-normalised stream entering layer idx
-                aux_hidden_states.append(hidden_states if residual is None
-                                         else hidden_states + residual)
+        for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
-        if aux_hidden_states:
-            return hidden_states, aux_hidden_states
         return hidden_states
 
 
@@ -169,31 +161,27 @@ class LlamaForCausalLM(nn.Module):
                  num_layers: Optional[int] = None) -> None:
         super().__init__()
         total = hf_config.num_hidden_layers
-        if num_layers is None:
-            num_layers = total
-        if not 1 <= num_layers <= total:
+        self.num_layers = total if num_layers is None else num_layers
+        if not 1 <= self.num_layers <= total:
             raise ValueError(f"num_layers must be in [1, {total}] (the checkpoint's "
                              f"num_hidden_layers), got {num_layers}.")
         self.config = hf_config
-        self.num_layers = num_layers
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.model = LlamaModel(hf_config, attention_backend, num_layers)
+        self.model = LlamaModel(hf_config, attention_backend, self.num_layers)
         self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: Optional[torch.Tensor] = None):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """``input_ids``, ``positions`` ``[num_tokens]`` -> hidden states ``[num_tokens, hidden_size]``
         (plus the list of aux hidden states once ``set_aux_hidden_state_layers`` was called)."""
-        return self.model(input_ids, positions, inputs_embeds)
+        return self.model(input_ids, positions)
 
     def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
-        """EAGLE-3 (vLLM ``SupportsEagle3``): also return the residual stream entering ``layers``."""
-        self.model.aux_hidden_state_layers = tuple(layers)
+        """EAGLE-3 (vLLM ``SupportsEagle3``): also return the residual stream entering ``layers``
+        (forward hooks, beside: eagle3_taps.py)."""
+        from minivllm.model_executor.models.eagle3_taps import tap_aux_hidden_states
+        tap_aux_hidden_states(self.model, layers)
 
     def get_eagle3_aux_hidden_state_layers(self) -> tuple[int, ...]:
         """vLLM's default taps: the stream entering layers 2, L // 2 and L - 3."""
@@ -226,9 +214,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name.startswith("model.layers."):
-                if int(name.split(".")[2]) >= self.num_layers:
-                    continue
+            if name.startswith("model.layers.") and int(name.split(".")[2]) >= self.num_layers:
+                continue   # a self-draft's layers end before the checkpoint's
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
             if name not in params:

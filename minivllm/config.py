@@ -39,10 +39,8 @@ class DeviceConfig:
         if self.attention_backend == "triton":
             # A Triton that cannot run here (e.g. TRITON_INTERPRET=0 on a CPU) fails now, with the
             # fix, rather than inside the first forward pass.
-            from minivllm.triton_utils import triton_backend_problem
-            problem = triton_backend_problem(self.device)
-            if problem is not None:
-                raise ValueError(f"attention_backend='triton' cannot run on {self.device}: {problem}")
+            from minivllm.triton_utils import check_triton_backend
+            check_triton_backend(self.device)
 
 
 @dataclass

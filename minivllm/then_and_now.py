@@ -37,7 +37,7 @@ THEN_AND_NOW: tuple[tuple[str, str, str, str], ...] = (
     ("pd.enter", "minivllm.distributed.kv_transfer._get_kv_connector_output",
      "minivllm.distributed.kv_transfer.vllm_today.get_kv_connector_output",
      'kv_connector_context="vllm_today" (and defer_finalize under spec decode)'),
-    ("pd.exit", "minivllm.distributed.kv_transfer.kv_connector_no_forward",
+    ("pd.exit", "minivllm.distributed.kv_transfer.no_forward.kv_connector_no_forward",
      "minivllm.distributed.kv_transfer.vllm_today.kv_connector_no_forward",
      'kv_connector_context="vllm_today": wait_for_save on empty steps too'),
     ("pd.exit", W + "model_runner.ModelRunner.sample_tokens",

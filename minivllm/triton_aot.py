@@ -187,7 +187,7 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int, int]:
 def _memo_dir() -> str:
     """ptxas's resource counts per compiled kernel hash: a kernel that comes from Triton's cache
     brings no ptxas log, and running ptxas again costs as much as the rest of the compile."""
-    from minivllm.model_executor.model_loader import cache_dir
+    from minivllm.utils import cache_dir
     return os.path.join(cache_dir(), "ptxas-usage")
 
 

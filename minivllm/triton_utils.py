@@ -99,6 +99,14 @@ def triton_backend_problem(device: str) -> Optional[str]:
     return None
 
 
+def check_triton_backend(device: str) -> None:
+    """``DeviceConfig``'s check of ``attention_backend="triton"``: a ``ValueError`` with the fix
+    when ``triton_backend_problem`` finds one."""
+    problem = triton_backend_problem(device)
+    if problem is not None:
+        raise ValueError(f"attention_backend='triton' cannot run on {device}: {problem}")
+
+
 # Triton signature names of the torch dtypes the kernels take through pointers.
 _POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
                   torch.float64: "*fp64", torch.int32: "*i32", torch.int64: "*i64",
@@ -151,4 +159,5 @@ class KernelLaunch:
         return out
 
 
-__all__ = ["triton", "tl", "INTERPRETED", "KernelLaunch", "triton_backend_problem"]
+__all__ = ["triton", "tl", "INTERPRETED", "KernelLaunch", "triton_backend_problem",
+           "check_triton_backend"]

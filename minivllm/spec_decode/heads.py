@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from minivllm.config import SpeculativeConfig
-from minivllm.model_executor.models.llama import (checkpoint_parameters, default_eagle3_aux_layers,
-                                                   valid_eagle3_aux_layers)
+from minivllm.model_executor.models.eagle3_taps import (default_eagle3_aux_layers,
+                                                         valid_eagle3_aux_layers)
+from minivllm.model_executor.models.llama import checkpoint_parameters
 
 HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
 DEFAULT_MODEL_HEADS = "smollm2-135m-instruct"

@@ -53,7 +53,7 @@ def head_config(method: str, head, target_config: Any, dtype: str) -> dict:
         "torch_dtype": dtype,
     }
     if method == "eagle3":
-        from minivllm.model_executor.models.llama import default_eagle3_aux_layers
+        from minivllm.model_executor.models.eagle3_taps import default_eagle3_aux_layers
         config.update(draft_vocab_size=c.draft_vocab_size, target_hidden_size=c.hidden_size,
                       eagle_aux_hidden_state_layer_ids=list(
                           default_eagle3_aux_layers(target_config.num_hidden_layers)))

@@ -29,5 +29,5 @@ class KVConnectorModelRunnerMixin:
         finished transfers (``None`` without a connector)."""
         if self.kv_connector is None:
             return None
-        from minivllm.distributed.kv_transfer import kv_connector_no_forward
+        from minivllm.distributed.kv_transfer.no_forward import kv_connector_no_forward
         return kv_connector_no_forward(self.kv_connector, scheduler_output)

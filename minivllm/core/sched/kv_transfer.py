@@ -8,9 +8,10 @@ blocks at once: that is all its examples run here (``_computed_block_ids``, ``_d
 Each method below keeps vLLM's name on the scheduler; what only other connectors or faults
 exercise sits beside it, in a file read only when needed:
 kv_holding.py, the asynchronous-load path (``_start_async_load``, the ``kv_holding_waiting``
-queue, ``WAITING_FOR_REMOTE_KVS``, vLLM's ``_update_waiting_for_remote_kv``); delayed_free.py, the worker's finished transfers and the
-finished requests whose blocks a transfer still uses; failed_loads.py, once a worker reports a
-failed load (``_handle_invalid_blocks``, ``kv_load_failure_policy``).
+queue, ``WAITING_FOR_REMOTE_KVS``, vLLM's ``_update_waiting_for_remote_kv``); delayed_free.py,
+the worker's finished transfers and the finished requests whose blocks a transfer still uses;
+failed_loads.py, once a worker reports a failed load (``_handle_invalid_blocks``,
+``kv_load_failure_policy``).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 class SchedulerState:
     """What the scheduler's mixins (waiting.py, kv_transfer.py) and the functions beside them
-    (kv_holding.py, failed_loads.py) use of their host ``Scheduler``:
+    (kv_holding.py, delayed_free.py, failed_loads.py) use of their host ``Scheduler``:
     its state, set in ``Scheduler.__init__``, and the methods one mixin calls on another.
     Declarations only, for the reader and the editor."""
     vllm_config: VllmConfig
@@ -41,7 +41,7 @@ class SchedulerState:
     finish_requests: Callable[[list[str], RequestStatus], None]
     _allocate_and_update_state: Callable[..., Optional[KVCacheBlocks]]
     _add_to_running: Callable[..., None]
-    _update_waiting_for_remote_kv: Callable[[Request], bool]
+
 
 class ComputedTokens(NamedTuple):
     """A waiting request's cache lookup (``Scheduler._get_computed_tokens``), in vLLM's names."""

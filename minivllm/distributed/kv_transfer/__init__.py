@@ -25,12 +25,11 @@ from typing import Any, Iterator, Optional
 from minivllm.distributed.kv_transfer.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                    KVConnectorOutput, KVConnectorRole)
 from minivllm.distributed.kv_transfer.factory import KVConnectorFactory, validate_kv_transfer_config
-from minivllm.forward_context import get_forward_context, set_forward_context
+from minivllm.forward_context import get_forward_context
 
 __all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorOutput", "KVConnectorRole",
            "KVConnectorFactory", "validate_kv_transfer_config", "ensure_kv_transfer_initialized",
-           "maybe_get_kv_connector_output", "finalize_kv_connector",
-           "kv_connector_no_forward"]
+           "maybe_get_kv_connector_output", "finalize_kv_connector"]
 
 
 def ensure_kv_transfer_initialized(vllm_config: Any, kv_cache_config: Any = None) -> Optional[KVConnectorBase_V1]:
@@ -88,16 +87,3 @@ def maybe_get_kv_connector_output(connector: Optional[KVConnectorBase_V1], sched
     if connector is None:
         return nullcontext(None)
     return _get_kv_connector_output(connector, scheduler_output)
-
-
-def kv_connector_no_forward(connector: KVConnectorBase_V1, scheduler_output: Any) -> KVConnectorOutput:
-    """A step with nothing scheduled: still give the connector its metadata and collect finished
-    transfers; loads still start (an asynchronous load may be all this step does). The article's
-    picture calls no ``wait_for_save`` here: there was no forward."""
-    with set_forward_context(None, {}, connector):
-        output = bind_connector_metadata(connector, scheduler_output)
-        try:
-            connector.start_load_kv(get_forward_context())
-        finally:
-            finalize_kv_connector(connector, scheduler_output, output, wait_for_save=False)
-    return output

@@ -2,12 +2,22 @@
 ``aux_hidden_states`` its ``LlamaModel.forward`` collects): the un-normalised residual stream
 entering each chosen decoder layer, returned beside the final hidden states. Forward hooks set by
 ``LlamaForCausalLM.set_aux_hidden_state_layers``, so ``LlamaModel.forward`` stays the plain loop;
-loaded only for EAGLE-3 (its drafter, the training of its heads).
+loaded only for EAGLE-3 (its drafter, the training of its heads), with the choice of the layers.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+def default_eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """vLLM's default EAGLE-3 taps: the residual stream entering layers 2, L // 2 and L - 3."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def valid_eagle3_aux_layers(layers: tuple[int, ...], num_layers: int) -> bool:
+    """What an EAGLE-3 head can tap: three distinct layers in ``[0, num_layers)``."""
+    return len(set(layers)) == 3 and all(0 <= i < num_layers for i in layers)
 
 
 def tap_aux_hidden_states(model: nn.Module, layers: tuple[int, ...]) -> None:

@@ -140,16 +140,6 @@ def checkpoint_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def default_eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """vLLM's default EAGLE-3 taps: the residual stream entering layers 2, L // 2 and L - 3."""
-    return (2, num_layers // 2, num_layers - 3)
-
-
-def valid_eagle3_aux_layers(layers: tuple[int, ...], num_layers: int) -> bool:
-    """What an EAGLE-3 head can tap: three distinct layers in ``[0, num_layers)``."""
-    return len(set(layers)) == 3 and all(0 <= i < num_layers for i in layers)
-
-
 class LlamaForCausalLM(nn.Module):
     """``model`` (embeddings, decoder layers, final norm) plus ``lm_head``.
 
@@ -185,6 +175,7 @@ class LlamaForCausalLM(nn.Module):
 
     def get_eagle3_aux_hidden_state_layers(self) -> tuple[int, ...]:
         """vLLM's default taps: the stream entering layers 2, L // 2 and L - 3."""
+        from minivllm.model_executor.models.eagle3_taps import default_eagle3_aux_layers
         return default_eagle3_aux_layers(self.config.num_hidden_layers)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

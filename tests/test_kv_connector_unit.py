@@ -20,9 +20,9 @@ from minivllm.core.sched.output import CachedRequestData, NewRequestData, Schedu
 from minivllm.distributed.kv_transfer import (KVConnectorBase_V1, KVConnectorFactory,
                                               KVConnectorOutput, KVConnectorRole,
                                               ensure_kv_transfer_initialized,
-                                              kv_connector_no_forward,
                                               maybe_get_kv_connector_output,
                                               validate_kv_transfer_config)
+from minivllm.distributed.kv_transfer.no_forward import kv_connector_no_forward
 from minivllm.distributed.kv_transfer.shared_storage_connector import align_to_block_size
 from minivllm.forward_context import set_forward_context
 from minivllm.request import Request

@@ -72,6 +72,7 @@ class InputBatch:
         self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)         # includes drafts
         self.num_tokens_no_spec = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)   # suffix decoding reads it
         self.num_computed_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int32)
         self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, block_size)
         self.sampling_params: dict[str, SamplingParams] = {}
@@ -91,6 +92,7 @@ class InputBatch:
         self.token_ids_cpu[row, :n_prompt] = req.prompt_token_ids
         self.token_ids_cpu[row, n_prompt:n] = req.output_token_ids
         self.num_tokens[row] = self.num_tokens_no_spec[row] = n
+        self.num_prompt_tokens[row] = n_prompt
         self.num_computed_tokens_cpu[row] = req.num_computed_tokens
         self.block_table.add_row(req.block_ids, row)
         self.sampling_params[req.req_id] = req.sampling_params
@@ -111,7 +113,8 @@ class InputBatch:
             if src != new_row:
                 n = self.num_tokens[src]
                 self.token_ids_cpu[new_row, :n] = self.token_ids_cpu[src, :n]
-                for arr in (self.num_tokens, self.num_tokens_no_spec, self.num_computed_tokens_cpu):
+                for arr in (self.num_tokens, self.num_tokens_no_spec, self.num_prompt_tokens,
+                            self.num_computed_tokens_cpu):
                     arr[new_row] = arr[src]
                 self.block_table.move_row(src, new_row)
             self.req_ids.append(req_id)

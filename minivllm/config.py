@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from minivllm.utils import differs_from_defaults
+
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "suffix")
 # Methods whose drafter is a trained head over the target's hidden states (DESIGN 5.1).
 LEARNED_DRAFTER_METHODS = ("eagle", "eagle3", "medusa")
@@ -152,7 +154,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= "
                                  f"prompt_lookup_max ({hi}).")
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
-        if (self.method, self.ngram_match, self.draft_sample_method) != ("ngram", "first", "greedy"):
+        if differs_from_defaults(self, ("method", "ngram_match", "draft_sample_method")):
             # The options the article's n-gram example leaves at their defaults, and those of the
             # methods that came after it, are checked beside this class, in a module loaded only
             # when one of them is asked for.
@@ -216,8 +218,7 @@ class KVTransferConfig:
     def __post_init__(self) -> None:
         if self.kv_connector is not None and self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}.")
-        if (self.kv_connector_context, self.kv_load_failure_policy,
-                self.kv_lease_duration) != ("article", "recompute", 30.0):
+        if differs_from_defaults(self, ("kv_connector_context", "kv_load_failure_policy", "kv_lease_duration")):
             # Options the article's example leaves at their defaults are checked beside this
             # class, in a module loaded only when one of them is set.
             from minivllm.kv_transfer_options import check_kv_transfer_options

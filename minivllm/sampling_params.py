@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from minivllm.utils import differs_from_defaults
+
 _SAMPLING_EPS = 1e-5
 MAX_N_SEQUENCES = 16384       # vLLM's VLLM_MAX_N_SEQUENCES
 # vLLM's LogprobsMode (the engine's logprobs_mode): what logprobs hold (sample/ops/logprobs.py).
@@ -67,7 +69,9 @@ class SamplingParams:
     _bad_words_token_ids: Optional[list[list[int]]] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        options = self._sets_options()    # before stop, stop_token_ids and bad_words become lists
+        # Before stop, stop_token_ids and bad_words become lists: a field of OPTIONS set here loads
+        # its checks (sampling_options.py).
+        options = differs_from_defaults(self, OPTIONS)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -81,12 +85,6 @@ class SamplingParams:
             # Greedy: top-p / top-k / min-p are irrelevant; normalise them like vLLM does.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         self._all_stop_token_ids = set(self.stop_token_ids)
-
-    def _sets_options(self) -> bool:
-        """Whether a field of ``OPTIONS`` differs from its default: only then are its checks
-        (sampling_options.py) loaded."""
-        fields = self.__dataclass_fields__
-        return any(getattr(self, name) != fields[name].default for name in OPTIONS)
 
     def _verify_args(self) -> None:
         """vLLM 0.32's ``SamplingParams._verify_args`` for the article's fields (the others:

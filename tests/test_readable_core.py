@@ -162,3 +162,20 @@ def test_file_code_lines_skips_docstrings_comments_and_blanks(tmp_path):
                     '    # a comment\n    x = (1,\n         2)\n\n    def f(self):\n        "doc"\n'
                     '        return """not a docstring"""\n')
     assert code_stats.file_code_lines(str(path)) == 6
+
+
+MAX_FILE_LINES = 350   # every file of the package readable in one sitting, as nano-vllm's are
+
+
+def test_every_package_file_is_at_most_350_lines():
+    root = os.path.join(code_stats.ROOT, "minivllm")
+    long = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                with open(path) as fh:
+                    n = sum(1 for _ in fh)
+                if n > MAX_FILE_LINES:
+                    long[os.path.relpath(path, root)] = n
+    assert not long, f"files over {MAX_FILE_LINES} lines (split them along the article's steps): {long}"

@@ -73,14 +73,16 @@ def loaded_lines(script: str, env: "dict[str, str] | None" = None, cwd: str = RO
     raise RuntimeError(f"the script failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
 
 
-def package_lines(root: str = os.path.join(ROOT, "minivllm")) -> int:
-    total = 0
+def package_file_lines(root: str = os.path.join(ROOT, "minivllm")) -> dict[str, int]:
+    """Lines (all of them) of every ``.py`` file under ``root``, by path relative to it."""
+    counts = {}
     for dirpath, _, files in os.walk(root):
         for f in files:
             if f.endswith(".py"):
-                with open(os.path.join(dirpath, f)) as fh:
-                    total += sum(1 for _ in fh)
-    return total
+                path = os.path.join(dirpath, f)
+                with open(path) as fh:
+                    counts[os.path.relpath(path, root)] = sum(1 for _ in fh)
+    return counts
 
 
 def file_code_lines(path: str) -> int:

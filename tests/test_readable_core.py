@@ -168,14 +168,5 @@ MAX_FILE_LINES = 350   # every file of the package readable in one sitting, as n
 
 
 def test_every_package_file_is_at_most_350_lines():
-    root = os.path.join(code_stats.ROOT, "minivllm")
-    long = {}
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            if f.endswith(".py"):
-                path = os.path.join(dirpath, f)
-                with open(path) as fh:
-                    n = sum(1 for _ in fh)
-                if n > MAX_FILE_LINES:
-                    long[os.path.relpath(path, root)] = n
+    long = {f: n for f, n in code_stats.package_file_lines().items() if n > MAX_FILE_LINES}
     assert not long, f"files over {MAX_FILE_LINES} lines (split them along the article's steps): {long}"

@@ -104,3 +104,47 @@ def test_notebook_03_chunks_solution_agrees_with_the_connector():
     stand_in = SimpleNamespace(_block_size=16, _chunk_size=64)
     for n in (1, 16, 17, 64, 65, 80, 81, 200, 1000):
         assert mod.num_chunks(n) == RedisStoreConnector.num_prompt_chunks(stand_in, n), n
+
+
+def _walk(rule):
+    """A greedy walk by frequency; ``rule(prob, ratio, min_token_prob)`` -> (keep?, prob shown)."""
+    def walk_suffix_tree(node, max_tokens, min_token_prob):
+        tokens, probs, prob = [], [], 1.0
+        while len(tokens) < max_tokens and node["children"]:
+            token, child = node["children"][0]
+            ratio = child["count"] / node["count"]
+            prob *= ratio
+            keep, shown = rule(prob, ratio, min_token_prob)
+            if not keep:
+                break
+            tokens.append(token)
+            probs.append(shown)
+            node = child
+        return tokens, probs
+    return walk_suffix_tree
+
+
+def test_the_suffix_walk_check_names_the_case_and_hints_at_the_common_mistakes(capsys):
+    """A per-step ratio fails on the running-product case with the per-step hint; `<=` at the
+    boundary fails on the case exactly at min_token_prob with the boundary hint; the right rule
+    passes every case."""
+    per_step = _walk(lambda prob, ratio, m: (ratio >= m, ratio))
+    with pytest.raises(ExerciseCheckError, match=r"(?s)case 'the running product.*hint: these "
+                                                 r"are per-step ratios"):
+        exercises.check_walk_suffix_tree(per_step)
+    at_most = _walk(lambda prob, ratio, m: (prob > m, prob))
+    with pytest.raises(ExerciseCheckError, match=r"(?s)case 'a probability exactly min_token_prob"
+                                                 r".*hint: stopped at a probability equal"):
+        exercises.check_walk_suffix_tree(at_most)
+    assert exercises.check_walk_suffix_tree(_walk(lambda prob, ratio, m: (prob >= m, prob)))
+    assert "8 hand-made cases and 200 cases" in capsys.readouterr().out
+
+
+def test_the_suffix_check_keeps_its_answers_as_data():
+    """No importable solution: the expected walks are the check's case table (and the engine's
+    SuffixTree.walk for the random trees), and every case says what it tests."""
+    from minivllm.exercises import suffix
+    assert not [n for n in dir(suffix) if n.startswith("reference")]
+    labels = [case[0] for case in suffix.HAND_CASES]
+    assert len(set(labels)) == len(labels)
+    assert any(c[3] in c[5] for c in suffix.HAND_CASES)       # a probability == min_token_prob

@@ -20,43 +20,67 @@ def tree_as_dict(node: Any) -> dict:
     return {"count": node.count, "children": [(c.token, tree_as_dict(c)) for c in node.ranked]}
 
 
-def reference_walk_suffix_tree(node: dict, max_tokens: int,
-                               min_token_prob: float) -> tuple[list[int], list[float]]:
-    tokens, probs, prob = [], [], 1.0
-    while len(tokens) < max_tokens and node["children"]:
-        token, child = node["children"][0]
-        prob *= child["count"] / node["count"]
-        if prob < min_token_prob:
-            break
-        tokens.append(token)
-        probs.append(prob)
-        node = child
-    return tokens, probs
-
-
 def _leaf(count: int) -> dict:
     return {"count": count, "children": []}
 
 
-def _hand_cases() -> list[tuple[str, dict, int, float, list[int], list[float]]]:
-    # The docstring tree of suffix_tree.py at "a": b (1) then a (1), and c (1).
-    a = {"count": 2, "children": [(1, {"count": 1, "children": [(0, _leaf(1))]}), (2, _leaf(1))]}
-    chain = {"count": 4, "children": [(7, {"count": 3, "children": [(8, _leaf(1))]}),
-                                      (9, _leaf(1))]}
-    return [
-        ("a tie: the first child listed wins", a, 4, 0.1, [1, 0], [0.5, 0.5]),
-        ("the first step already falls below min_token_prob", a, 4, 0.6, [], []),
-        ("max_tokens caps the draft", a, 1, 0.1, [1], [0.5]),
-        ("a leaf: nothing to draft", _leaf(3), 4, 0.0, [], []),
-        ("the product falls below min_token_prob on the second step", chain, 4, 0.3, [7], [0.75]),
-        ("min_token_prob 0: walk to the end", chain, 4, 0.0, [7, 8], [0.75, 0.25]),
-    ]
+# The hand-made cases, answers as data: (what the case tests, node, max_tokens, min_token_prob,
+# expected tokens, expected probabilities).
+_A = {"count": 2, "children": [(1, {"count": 1, "children": [(0, _leaf(1))]}), (2, _leaf(1))]}
+_TIE = {"count": 2, "children": [(5, _leaf(1)), (6, _leaf(1))]}
+_CHAIN = {"count": 4, "children": [(7, {"count": 3, "children": [(8, _leaf(1))]}), (9, _leaf(1))]}
+HAND_CASES: list[tuple[str, dict, int, float, list[int], list[float]]] = [
+    ("a tie: of two children seen once each, the first listed wins", _TIE, 4, 0.1, [5], [0.5]),
+    ("the running product: 1/2, then a child seen as often as its parent keeps 1/2", _A, 4, 0.1,
+     [1, 0], [0.5, 0.5]),
+    ("the running product falls below min_token_prob on the second token", _CHAIN, 4, 0.3,
+     [7], [0.75]),
+    ("min_token_prob 0: walk to the end", _CHAIN, 4, 0.0, [7, 8], [0.75, 0.25]),
+    ("a probability exactly min_token_prob is kept (the walk stops only below it)", _A, 4, 0.5,
+     [1, 0], [0.5, 0.5]),
+    ("the first token already falls below min_token_prob", _A, 4, 0.6, [], []),
+    ("max_tokens caps the draft", _A, 1, 0.1, [1], [0.5]),
+    ("a leaf: nothing to draft", _leaf(3), 4, 0.0, [], []),
+]
+
+
+def _ratios(node: dict, n: int) -> list[float]:
+    """count(child) / count(node) of each of the first ``n`` steps down the first children: what
+    a common wrong answer reports instead of the running product."""
+    out = []
+    while len(out) < n and node["children"]:
+        child = node["children"][0][1]
+        out.append(child["count"] / node["count"])
+        node = child
+    return out
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= 1e-6 for x, y in zip(a, b))
+
+
+def _hint(node: dict, max_tokens: int, min_token_prob: float, tokens: list[int],
+          probs: list[float], got_tokens: list[int], got_probs: list[float]) -> str:
+    """What the usual mistakes look like, said when the answer looks like one."""
+    ratios = _ratios(node, len(got_probs))
+    if got_probs and _close(got_probs, ratios) and not _close(got_probs, probs[:len(got_probs)]):
+        return ("these are per-step ratios count(child) / count(node): a draft token's "
+                "probability is the running product of those ratios from the matched node.")
+    if (got_tokens == tokens[:len(got_tokens)] and len(got_tokens) < len(tokens)
+            and abs(probs[len(got_tokens)] - min_token_prob) < 1e-12):
+        return ("stopped at a probability equal to min_token_prob: keep a token while its "
+                "probability is >= min_token_prob, stop only below it (`<`, not `<=`).")
+    if got_tokens[:len(tokens)] == tokens and len(got_tokens) > len(tokens):
+        return "too long: stop once the running probability is below min_token_prob."
+    if len(got_tokens) > max_tokens:
+        return f"at most max_tokens = {max_tokens} tokens."
+    return ""
 
 
 def check_walk_suffix_tree(fn: Callable) -> bool:
     """``fn(node, max_tokens, min_token_prob) -> (tokens, probs)``."""
     name = "walk_suffix_tree"
-    hand = _hand_cases()
+    hand = HAND_CASES
     for case, node, k, p, tokens, probs in hand:
         _check_one(name, fn, case, node, k, p, tokens, probs)
     rng, n_ref = random.Random(0), 200
@@ -66,8 +90,8 @@ def check_walk_suffix_tree(fn: Callable) -> bool:
         start = rng.choice([tree.root] + tree.root.ranked)
         k, p = rng.randint(1, 6), rng.choice([0.0, 0.12, 0.27, 0.41, 0.66])
         draft = tree.walk(start, k, p)
-        _check_one(name, fn, f"random case {i} (vs SuffixTree.walk)", tree_as_dict(start), k, p,
-                   draft.token_ids, draft.probs)
+        _check_one(name, fn, f"random tree {i}: the walk SuffixTree.walk makes", tree_as_dict(start),
+                   k, p, draft.token_ids, draft.probs)
     return _passed(name, len(hand), n_ref, "SuffixTree.walk")
 
 
@@ -81,7 +105,5 @@ def _check_one(name: str, fn: Callable, case: str, node: dict, max_tokens: int,
     got_tokens, got_probs = [int(t) for t in got[0]], [float(x) for x in got[1]]
     if got_tokens != tokens or len(got_probs) != len(probs) or any(
             abs(a - b) > 1e-6 for a, b in zip(got_probs, probs)):
-        hint = ""
-        if got_tokens[:len(tokens)] == tokens and len(got_tokens) > len(tokens):
-            hint = "too long: stop once the running probability is below min_token_prob."
+        hint = _hint(node, max_tokens, min_token_prob, tokens, probs, got_tokens, got_probs)
         _fail(name, case, shown, (tokens, probs), (got_tokens, got_probs), hint)

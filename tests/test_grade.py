@@ -103,3 +103,19 @@ def test_wrong_loop_loud_and_raising_fail_alone(tmp_path, capsys):
     assert "printed more than 100000 bytes" in carol["decode_load_plan"]
     assert "raised RuntimeError: half-finished cell" in carol["MyKVConnector"]
     assert elapsed < 150, elapsed
+
+
+def test_only_grades_one_exercise_and_leaves_the_others_not_attempted(tmp_path, capsys):
+    """``--only 1`` on a notebook where only exercise 1 is written: it passes, the four others are
+    "not attempted" (not FAIL), the exit status is 0; an --only that names nothing is an error."""
+    sol = _solutions("04")
+    nb = _notebook(tmp_path, "04_exercises.ipynb", "bob.ipynb", solved=False, replace={
+        "residual_distribution": "import torch\n\n" + inspect.getsource(sol.residual_distribution)})
+    rc, out = _grade([nb, "--only", "1", "--csv", str(tmp_path / "g.csv")], capsys)
+    assert rc == 0, out
+    row = _csv(tmp_path / "g.csv")["bob.ipynb"]
+    assert row["residual_distribution"] == "pass"
+    assert [row[n] for n in SPEC[1:]] == ["not attempted"] * 4, row
+    assert "Failures" not in out
+    with pytest.raises(SystemExit):
+        main(["grade", nb, "--only", "9"])

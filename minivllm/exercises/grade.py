@@ -7,6 +7,8 @@ notebook defines or its check cells name. Every cell and every check has a time 
 raises, runs past it (the kernel is interrupted, or restarted and the definitions replayed) or
 prints more than ``--max-output`` bytes fails that exercise only. The table, notebook x exercise,
 says ``pass`` or ``FAIL`` with the check's first line (the failing case); the details follow.
+``--only N`` (an exercise's number in its notebook, or its name; repeatable) checks those alone:
+the others are ``not attempted``, neither passed nor failed.
 """
 from __future__ import annotations
 
@@ -21,10 +23,27 @@ from typing import Any, Optional
 CHECK_CALL = re.compile(r"exercises\.check_\w+\(\s*(\w+)\s*\)")
 
 
+NOT_ATTEMPTED = "not attempted"
+
+
 @dataclass
 class Result:
     passed: bool
     detail: str = ""       # why it failed: the check's message (case, input, expected, got)
+    attempted: bool = True  # False: left out by --only (neither passed nor failed)
+
+
+def selected(exercises: list[str], only: Optional[list[str]]) -> set[str]:
+    """The exercise names ``only`` picks: numbers count the notebook's exercise cells from 1."""
+    if not only:
+        return set(exercises)
+    picked = set()
+    for item in only:
+        if item.isdigit() and 1 <= int(item) <= len(exercises):
+            picked.add(exercises[int(item) - 1])
+        elif item in exercises:
+            picked.add(item)
+    return picked
 
 
 def defined_name(source: str) -> Optional[str]:
@@ -128,7 +147,8 @@ class Kernel:
             self.km.shutdown_kernel(now=True)
 
 
-def grade_notebook(path: str, timeout: float = 60.0, max_output: int = 100_000) -> dict[str, Result]:
+def grade_notebook(path: str, timeout: float = 60.0, max_output: int = 100_000,
+                   only: Optional[list[str]] = None) -> dict[str, Result]:
     import nbformat
     from minivllm.exercises import CHECKS
     try:
@@ -138,6 +158,10 @@ def grade_notebook(path: str, timeout: float = 60.0, max_output: int = 100_000) 
     plain, exercises, checked = split_cells(nb)
     results: dict[str, Result] = {}
     names = [n for n, _ in exercises]
+    if only:
+        chosen = selected(names, only)
+        results = {n: Result(False, NOT_ATTEMPTED, attempted=False) for n in names if n not in chosen}
+        checked = [n for n in checked if n in chosen]
     for name in checked:
         if name not in names and name not in results:
             results[name] = Result(False, f"no exercise cell defines {name}")
@@ -158,6 +182,8 @@ def grade_notebook(path: str, timeout: float = 60.0, max_output: int = 100_000) 
                 replay.append(source)
                 defined.append(name)
         for name in defined:
+            if name in results:                   # left out by --only
+                continue
             if name not in CHECKS:
                 results[name] = Result(False, f"no check for an exercise named {name} "
                                               f"(known: {', '.join(CHECKS)})")
@@ -191,7 +217,8 @@ def table(grades: dict[str, dict[str, Result]]) -> tuple[list[str], list[list[st
         row = [os.path.basename(path)]
         for name in columns:
             r = results.get(name)
-            row.append("-" if r is None else "pass" if r.passed else
+            row.append("-" if r is None else "pass" if r.passed else NOT_ATTEMPTED
+                       if not r.attempted else
                        "FAIL: " + " | ".join(ln.strip() for ln in r.detail.splitlines() if ln.strip()))
         rows.append(row)
     return ["notebook", *columns], rows

@@ -12,42 +12,35 @@ calls, and verifies with the article's rule as it reads (the rejection sampler's
 backend, sample/rejection_reference.py); by default it runs the CPU's fast paths and vLLM's
 exponential race, as ``LLM()`` does.
 
-- ``spec``: the article's n-gram example (same prompts, ``temperature=0.8, top_p=0.95``, k=3), plus
-  one self-repeating prompt so that the n-gram drafter finds a match right after the prefill, and
-  one that arrives once those drafts exist, so that a prefill meets a verify at ``spec.6``.
-
 Each stop also prints notes (``tour_notes.py``): why the numbers are what they are, ids as text.
-- ``pd``: the article's prefill and decode instances, one after the other in this process (the
-  article's ``prefill_done`` event becomes "the prefill run returned"), sharing a temporary
-  ``shared_storage_path``. The article's prompts are shorter than one 16-token block, so nothing
-  would move: the tour puts a longer prompt first.
+The runs themselves (prompts, the drafter of ``spec --method``, the connector of ``pd
+--connector``) are in ``tour_parts.py``:
+- ``spec``: the article's n-gram example, plus a self-repeating prompt and a late one (so that a
+  prefill meets a verify at ``spec.6``); ``--method draft_model|eagle|suffix`` swaps the drafter:
+  a draft model and EAGLE run a forward of their own and need ``num_lookahead_tokens`` (``spec.4``).
+- ``pd``: the article's prefill and decode instances, one after the other in this process, over a
+  temporary ``shared_storage_path``; ``--connector redis`` loads asynchronously from a redis-server
+  the tour starts and stops, and so reaches ``pd.async_wait`` and ``pd.async_ready`` too. The
+  article's prompts are shorter than one 16-token block, so the tour puts a longer prompt first.
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import os
-import shutil
 import sys
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 from minivllm import steps
-from minivllm.tour_notes import decoded, speculation_summary
+from minivllm.tour_notes import short as _short
+from minivllm.tour_parts import (LATE_PROMPT, LATE_TOKEN_PROMPT, PD_CONNECTORS, PD_PROMPTS,  # noqa: F401
+                                 PD_TOKEN_PROMPTS, SPEC_METHODS, SPEC_PROMPTS, SPEC_TOKEN_PROMPTS,
+                                 pd_stops, run_pd, run_spec)
 
-SPEC_PROMPTS = ["one two three four five, one two three four five, one two three",
-                "Hello, my name is", "The president of the United States is"]
-PD_PROMPTS = ["Prefill and decode have very different performance profiles, so running them on "
-              "separate instances gives tighter control over both latencies.",
-              "Hello, my name is", "The president of the United States is"]
-# Arrives after the first step: its prefill shares the batch with the first verify (spec.6).
-LATE_PROMPT = "Prefill chunks and verify steps share one batch:"
-# Token-id stand-ins for a checkpoint without a tokenizer (the tests' tiny random models).
-SPEC_TOKEN_PROMPTS = [[5, 6, 7, 8, 9] * 3, [11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27]]
-LATE_TOKEN_PROMPT = {"prompt_token_ids": [41, 42, 43, 44, 45, 46]}
-PD_TOKEN_PROMPTS = [list(range(30, 70)), [11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27]]
+# The stops of each part in its default run (pd: the shared-storage connector, which loads inside
+# the forward, so never asynchronously; ``--connector redis`` adds the async stops: pd_stops).
 TOURS = {"spec": steps.GROUPS["spec"],
          "pd": tuple(i for i in steps.GROUPS["pd"] if not i.startswith("pd.async"))}
 
@@ -59,13 +52,6 @@ class Stop:
     file: str
     line: int
     function: str
-
-
-def _short(value: Any, limit: int = 240) -> str:
-    if hasattr(value, "tolist") and getattr(value, "ndim", 1) <= 2:
-        value = value.tolist()
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def _decisions(frame: Any) -> list[str]:
@@ -149,6 +135,7 @@ class Tour:
         self.tokenizer: Any = None        # set once the engine is built: ids print as text too
         self.summary: list[str] = []      # tokens per engine step (target forward), per verify
         self.stops: list[Stop] = []
+        self.armed: tuple[str, ...] = ()     # the stops this run asks for
 
     def hook(self, *args: Any, **kwargs: Any) -> None:
         """Installed as ``sys.breakpointhook``: the engine's ``breakpoint()`` lands here."""
@@ -172,13 +159,6 @@ class Tour:
                     self.mode = "no-wait"
             except EOFError:
                 self.mode = "no-wait"
-
-
-def _prompts(model: str, texts: list[str], token_ids: list[list[int]]):
-    """Text prompts, or token ids when the checkpoint has no tokenizer (skip_tokenizer_init)."""
-    has_tok = not os.path.isdir(model) or any(
-        os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
-    return (texts, False) if has_tok else ([{"prompt_token_ids": t} for t in token_ids], True)
 
 
 # The reference paths' switches, set while a ``--plain`` tour runs: plain ``F.linear`` for every
@@ -206,78 +186,18 @@ def reference_paths(plain: bool) -> Iterator[dict[str, Any]]:
                 os.environ[name] = value
 
 
-def run_spec(tour: Tour, model: str, max_tokens: int, temperature: Optional[float],
-             **llm_kwargs: Any) -> list[Any]:
-    from minivllm import LLM, SamplingParams
-    from minivllm.examples.speculative_decoding import sampling_params, speculative_config
-    prompts, skip = _prompts(model, SPEC_PROMPTS, SPEC_TOKEN_PROMPTS)
-    if temperature is None:
-        temperature = sampling_params.temperature
-    params = SamplingParams(temperature=temperature, top_p=sampling_params.top_p,
-                            max_tokens=max_tokens)
-    llm = LLM(model=model, speculative_config=speculative_config, skip_tokenizer_init=skip,
-              break_at=TOURS["spec"], **llm_kwargs)
-    tour.tokenizer = None if skip else llm.get_tokenizer()
-    late = LATE_TOKEN_PROMPT if skip else {"prompt_token_ids": tour.tokenizer.encode(LATE_PROMPT)}
-    _print_prompts(tour, [*prompts, late], "the last one arrives once the first drafts exist, so "
-                   "its prefill meets their verify in one batch (spec.6)")
-    engine, finished = llm.llm_engine, {}
-    requests = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
-    while engine.has_unfinished_requests() and not any(r.spec_token_ids for r in requests):
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
-    engine.add_request(str(len(prompts)), late, params)    # now, as the first drafts wait
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
-    outputs = [finished[r] for r in sorted(finished, key=int)]
-    tour.summary = speculation_summary(llm, outputs)
-    return outputs
-
-
-def _print_prompts(tour: Tour, prompts: list[Any], note: str = "") -> None:
-    """The prompts, with their token ids when the tokenizer is there."""
-    print(f"prompts{': ' + note if note else ''}", file=tour.out)
-    for i, p in enumerate(prompts):
-        ids = p["prompt_token_ids"] if isinstance(p, dict) else tour.tokenizer.encode(p)
-        text = decoded(tour.tokenizer, ids)
-        print(f"  {i}: {text + ' ' if text else ''}{_short(ids, 120)} ({len(ids)} tokens)", file=tour.out)
-
-
-def run_pd(tour: Tour, model: str, max_tokens: int, temperature: Optional[float],
-           **llm_kwargs: Any) -> list[Any]:
-    import gc
-    from minivllm import LLM, SamplingParams
-    from minivllm.config import KVTransferConfig
-    prompts, skip = _prompts(model, PD_PROMPTS, PD_TOKEN_PROMPTS)
-    storage = tempfile.mkdtemp(prefix="minivllm_tour_storage_")
-    ktc = KVTransferConfig(kv_connector="SharedStorageConnector", kv_role="kv_both",
-                           kv_connector_extra_config={"shared_storage_path": storage})
-    try:
-        tour.instance = "prefill"
-        llm = LLM(model=model, kv_transfer_config=ktc, skip_tokenizer_init=skip, break_at=TOURS["pd"],
-                  **llm_kwargs)
-        tour.tokenizer = None if skip else llm.get_tokenizer()
-        _print_prompts(tour, prompts if skip else [{"prompt_token_ids": tour.tokenizer.encode(p)}
-                                                   for p in prompts],
-                       "the prefill instance computes them (max_tokens=1), then the decode instance")
-        llm.generate(prompts, SamplingParams(temperature=0, top_p=0.95, max_tokens=1), use_tqdm=False)
-        del llm
-        gc.collect()
-        tour.instance = "decode"
-        llm = LLM(model=model, kv_transfer_config=ktc, skip_tokenizer_init=skip, break_at=TOURS["pd"],
-                  **llm_kwargs)
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, top_p=0.95,
-                                                       max_tokens=max_tokens), use_tqdm=False)
-        tour.summary = [f"decode instance: {line}" for line in speculation_summary(llm, outputs)]
-        return outputs
-    finally:
-        shutil.rmtree(storage, ignore_errors=True)
-
-
 def run(argv: Optional[list[str]] = None, out: Any = None) -> Tour:
     parser = argparse.ArgumentParser(prog="python -m minivllm.tour", description=__doc__.split("\n")[0])
     parser.add_argument("part", choices=sorted(TOURS), help="spec: speculative decoding; pd: P/D")
     parser.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M)")
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per prompt")
+    parser.add_argument("--method", choices=list(SPEC_METHODS), default="ngram",
+                        help="spec: the drafter (ngram: the article's; draft_model: the target's "
+                             "first layer as a self-draft; eagle: the shipped head of the default "
+                             "model; suffix: suffix trees)")
+    parser.add_argument("--connector", choices=list(PD_CONNECTORS), default="shared_storage",
+                        help="pd: shared_storage (the article's folder) or redis (a redis-server the "
+                             "tour starts; async loads: adds pd.async_wait, pd.async_ready)")
     parser.add_argument("--temperature", type=float, default=None,
                         help="spec: override the article's 0.8 (0 = greedy; a tiny random model "
                              "repeats itself, and so gets n-gram drafts, only when greedy)")
@@ -296,20 +216,34 @@ def run(argv: Optional[list[str]] = None, out: Any = None) -> Tour:
     args = parser.parse_args(argv)
     if args.max_tokens < 1:
         parser.error("--max-tokens must be at least 1")
+    if args.part != "spec" and args.method != "ngram":
+        parser.error("--method is for the spec tour")
+    if args.part != "pd" and args.connector != "shared_storage":
+        parser.error("--connector is for the pd tour")
     from minivllm.entrypoints.llm import DEFAULT_MODEL
     model = args.model or DEFAULT_MODEL
     tour = Tour("pdb" if args.pdb else "no-wait" if args.no_wait else "ide" if args.ide else "wait",
                 out, then_and_now=args.then_and_now)
     out = tour.out
-    print(f"minivllm tour {args.part}: {len(TOURS[args.part])} article steps "
-          f"({', '.join(TOURS[args.part])}){'; reference paths' if args.plain else ''}", file=out)
+    stops = TOURS["spec"] if args.part == "spec" else pd_stops(args.connector)
+    tour.armed = stops
+    how = (f"; drafter {args.method}" if args.part == "spec" and args.method != "ngram" else
+           f"; connector {args.connector}" if args.part == "pd" and args.connector != "shared_storage"
+           else "")
+    print(f"minivllm tour {args.part}: {len(stops)} article steps ({', '.join(stops)}){how}"
+          f"{'; reference paths' if args.plain else ''}", file=out)
+    if args.part == "pd" and args.connector == "shared_storage":
+        print("(pd.async_wait and pd.async_ready need an asynchronous load: "
+              "python -m minivllm.tour pd --connector redis)", file=out)
     previous_hook, previous_quiet = sys.breakpointhook, steps.quiet
     if tour.mode != "ide":      # --ide: at_step() prints its line, the debugger does the rest
         sys.breakpointhook, steps.quiet = tour.hook, True
     try:
         with reference_paths(args.plain) as llm_kwargs:
-            outputs = (run_spec if args.part == "spec" else run_pd)(
-                tour, model, args.max_tokens, args.temperature, **llm_kwargs)
+            outputs = (run_spec(tour, model, args.max_tokens, args.temperature, args.method,
+                                **llm_kwargs) if args.part == "spec" else
+                       run_pd(tour, model, args.max_tokens, args.temperature, args.connector,
+                              **llm_kwargs))
     finally:
         sys.breakpointhook, steps.quiet = previous_hook, previous_quiet
         steps.disarm()
@@ -323,8 +257,7 @@ def run(argv: Optional[list[str]] = None, out: Any = None) -> Tour:
 
 def main(argv: Optional[list[str]] = None) -> int:
     tour = run(argv)
-    part = (argv or sys.argv[1:])[0] if (argv or sys.argv[1:]) else ""
-    missing = [i for i in TOURS.get(part, ()) if i not in {s.id for s in tour.stops}]
+    missing = [i for i in tour.armed if i not in {s.id for s in tour.stops}]
     if missing and tour.mode != "ide":
         print(f"not reached in this run: {', '.join(missing)}", file=sys.stderr)
     return 0

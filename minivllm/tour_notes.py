@@ -8,6 +8,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 
+def short(value: Any, limit: int = 240) -> str:
+    """``repr(value)`` (a tensor as a list), cut at ``limit`` characters."""
+    if hasattr(value, "tolist") and getattr(value, "ndim", 1) <= 2:
+        value = value.tolist()
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
 def decoded(tokenizer: Any, ids: Any) -> str:
     """``ids`` as text (``repr``), or "" without a tokenizer (a checkpoint without one)."""
     if tokenizer is None:
@@ -25,6 +33,25 @@ def _drafts(frame: Any, tour: Any) -> list[str]:
     return [f"req {r}: drafts as text {decoded(tour.tokenizer, d)}" for r, d in drafts.items() if d]
 
 
+def _spec2(frame: Any, tour: Any) -> list[str]:
+    """spec.2: the drafts as text, and for a drafter with a model of its own, its forward."""
+    f = frame.f_locals
+    lines = _drafts(frame, tour)
+    drafter = getattr(f.get("self"), "drafter", None)
+    layers = list(drafter.attn_layers()) if hasattr(drafter, "attn_layers") else []
+    if layers:
+        lines.append(f"{type(drafter).__name__} ran a forward of its own just now, after the "
+                     f"target's: one pass over the tokens the target just computed, then "
+                     f"{f['k'] - 1} one-token passes, one per further draft; each writes K/V into "
+                     f"its {len(layers)} attention layer(s)' own cache through the target's block "
+                     "tables (the slots spec.4 reserves as num_lookahead_tokens)")
+    elif getattr(drafter, "last_match", None):
+        for req, m in ((r, m) for r, m in drafter.last_match.items() if m.path):
+            lines.append(f"req {req}: matched {len(m.matched_suffix)} context tokens in the "
+                         f"{m.tree} tree; draft scores {[round(x, 3) for x in m.scores]}")
+    return lines
+
+
 def _spec4(frame: Any, tour: Any) -> list[str]:
     """spec.4: num_new_tokens taken apart, and what the lookahead slots are for."""
     f = frame.f_locals
@@ -35,8 +62,10 @@ def _spec4(frame: Any, tour: Any) -> list[str]:
             f"num_computed_tokens = {req.num_tokens_with_spec} - {req.num_computed_tokens}, the "
             f"article's \"add len(spec_token_ids)\"",
             f"num_lookahead_tokens {sched.num_lookahead_tokens}: extra slots allocate_slots reserves "
-            "beyond these for a drafter that writes KV for its own drafts (a draft model, EAGLE: k); "
-            "the n-gram drafter reads token ids only, so it needs none"]
+            "beyond these for a drafter that writes KV for its own drafts (a draft model, EAGLE: k)"
+            + ("; this drafter does: its forward writes the K/V of drafts 1..k-1 there"
+               if sched.num_lookahead_tokens else
+               "; this drafter reads token ids only (n-gram, suffix), so it needs none")]
 
 
 def _spec5(frame: Any, tour: Any) -> list[str]:
@@ -100,21 +129,41 @@ def _lookup(frame: Any, tour: Any) -> list[str]:
              f"{bs} * {bs} = {stored} of {n} tokens; the last token is always computed here, its "
              "logits give the first output token"]
     if tour.instance == "prefill" and not f["num_external_computed_tokens"]:
-        lines.append("0 here: nothing stored yet (kv_both looks up on the prefill instance too)")
+        lines.append("0 here: nothing stored yet (a kv_both instance looks up on the prefill side "
+                     "too; a kv_producer never loads)")
     return lines
 
 
-def _layer(frame: Any, tour: Any) -> list[str]:
-    """pd.layer_load / pd.layer_save: say when the per-layer call does nothing."""
+def _layer_load(frame: Any, tour: Any) -> list[str]:
+    """pd.layer_load: say when the per-layer call does nothing."""
     connector = frame.f_locals.get("connector")
-    if connector is None or getattr(connector, "_layerwise", True):
+    if connector is None or getattr(connector, "_layerwise", False):
         return []
-    return ["_layerwise is False (SharedStorageConnector's default): the whole request's KV moves "
-            "in start_load_kv (pd.enter) and wait_for_save (pd.exit), so this per-layer call "
-            "returns at once; kv_connector_extra_config={'layerwise': True} moves each layer here"]
+    if not hasattr(connector, "_layerwise"):
+        return [f"{type(connector).__name__} loads whole requests in start_load_kv (pd.enter) or "
+                "its loader thread: this per-layer call returns at once"]
+    return ["_layerwise is False (SharedStorageConnector's default): the whole request's KV was "
+            "loaded in start_load_kv (pd.enter), so this per-layer call returns at once; "
+            "kv_connector_extra_config={'layerwise': True} loads each layer here instead"]
+
+
+def _layer_save(frame: Any, tour: Any) -> list[str]:
+    """pd.layer_save: what the per-layer save does, layerwise or not."""
+    if tour.instance == "decode":
+        return ["on the decode instance nothing is stored (is_store=False): this call copies nothing"]
+    return ["every layer, layerwise or not: save_kv_layer gathers this layer's rows of the stored "
+            "prefix (their slot_mapping) from the paged cache into host memory (vLLM's "
+            "extract_kv_from_layer); storage is written later, in wait_for_save (pd.exit; "
+            "SharedStorageConnector: one file per layer)"]
 
 
 def _exit(frame: Any, tour: Any) -> list[str]:
+    connector = frame.f_locals.get("connector")
+    if connector is not None and not hasattr(connector, "_storage_path"):
+        return [f"{type(connector).__name__}: " + (
+            "the prefill instance's wait_for_save wrote the stored chunks, meta value last; this "
+            "decode instance only reads them" if tour.instance == "decode" else
+            "wait_for_save just wrote each stored chunk (one value per layer, the meta value last)")]
     if tour.instance == "decode":
         return ["these files are the prefill instance's (its wait_for_save wrote them: meta.json + "
                 "one file per attention layer); this decode instance only read them "
@@ -123,5 +172,6 @@ def _exit(frame: Any, tour: Any) -> list[str]:
 
 
 NOTES: dict[str, Callable[[Any, Any], list[str]]] = {
-    "spec.2": _drafts, "spec.3": _drafts, "spec.4": _spec4, "spec.5": _spec5, "spec.6": _spec6, "spec.7": _spec7,
-    "pd.lookup": _lookup, "pd.layer_load": _layer, "pd.layer_save": _layer, "pd.exit": _exit}
+    "spec.2": _spec2, "spec.3": _drafts, "spec.4": _spec4, "spec.5": _spec5, "spec.6": _spec6, "spec.7": _spec7,
+    "pd.lookup": _lookup, "pd.layer_load": _layer_load, "pd.layer_save": _layer_save,
+    "pd.exit": _exit}

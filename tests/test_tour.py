@@ -72,8 +72,50 @@ def test_tour_pd_in_order_with_a_real_transfer(tiny_llama_dir):
     # why 32 of 40, that the per-layer stops do nothing here, and whose files the decode exit lists
     assert "(n - 1) // 16 * 16 = 32 of 40 tokens" in out
     assert "why: _layerwise is False" in prefill and "why: _layerwise is False" in decode
+    # pd.layer_save does what save_kv_layer's code does (and figures/pd_flow.png draws): a copy of
+    # the layer's rows into host memory on every layer; the files come in wait_for_save.
+    layer_save = prefill.split("\npd.layer_save\n", 1)[1].split("\npd.exit\n", 1)[0]
+    assert "_layerwise" not in layer_save and "returns at once" not in layer_save, layer_save
+    assert "gathers this layer's rows" in layer_save and "in wait_for_save" in layer_save
+    assert "(pd.async_wait and pd.async_ready need an asynchronous load: python -m minivllm.tour " \
+        "pd --connector redis)" in out
     assert "these files are the prefill instance's" in decode
     assert "prompts: the prefill instance computes them" in out
+
+
+def test_tour_pd_over_redis_reaches_the_async_stops(tiny_llama_dir):
+    """``--connector redis``: a redis-server the tour starts (and stops), the decode instance loads
+    asynchronously, so it stops at pd.async_wait and pd.async_ready as well."""
+    buf = io.StringIO()
+    t = tour.run(["pd", "--model", tiny_llama_dir, "--no-wait", "--max-tokens", "4",
+                  "--connector", "redis"], out=buf)
+    out = buf.getvalue()
+    assert "<error" not in out, out
+    decode = [s.id for s in t.stops if s.instance == "decode"]
+    assert set(decode) == set(tour.pd_stops("redis")), decode
+    assert decode.index("pd.async_wait") < decode.index("pd.async_ready")
+    assert not [s for s in t.stops if s.instance == "prefill" and s.id.startswith("pd.async")]
+    assert "; connector redis" in out.splitlines()[0]
+    assert "load_kv_async = True" in out.split("(decode instance)", 1)[1]
+
+
+@pytest.mark.parametrize("method, lookahead", [("draft_model", 3), ("suffix", 0)])
+def test_tour_spec_method_swaps_the_drafter(tiny_llama_dir, method, lookahead):
+    """``--method``: every spec stop, with the drafter asked for; a draft model reserves k
+    lookahead slots (spec.4) and its own forward is described at spec.2; suffix needs none."""
+    buf = io.StringIO()
+    t = tour.run(["spec", "--model", tiny_llama_dir, "--no-wait", "--temperature", "0",
+                  "--max-tokens", "8", "--method", method], out=buf)
+    _check_stops(t.stops, tour.TOURS["spec"])
+    out = buf.getvalue()
+    assert "<error" not in out, out
+    assert f"why: num_lookahead_tokens {lookahead}: " in out
+    spec2 = out.split("\nspec.2\n", 1)[1].split("\nspec.3\n", 1)[0]
+    if method == "draft_model":
+        assert "DraftModelProposer ran a forward of its own" in spec2, spec2
+        assert "type(self.drafter).__name__ = 'DraftModelProposer'" in out
+    else:
+        assert "tree; draft scores [" in spec2, spec2
 
 
 FAST_PATHS = ("minivllm.attention.backends.cpu_attn", "minivllm.model_executor.cpu_linear",

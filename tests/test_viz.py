@@ -224,6 +224,15 @@ def test_pd_views_match_connector_records_and_files(tmp_path, tiny_gqa_dir):
     fig = pd_flow_figure(tp, td)
     texts = " ".join(t.get_text() for t in fig.axes[0].texts)
     assert "is_store=True" in texts and "is_store=False" in texts
+    # As the code does it: save_kv_layer gathers rows into host memory (no arrow to storage),
+    # wait_for_save writes the files (the arrow).
+    from matplotlib.text import Annotation
+    rows = {}
+    for row, e in enumerate(flow_entries(tp, "P") + flow_entries(td, "D")):
+        rows.setdefault((e["instance"], e["method"]), row)
+    arrows = {a.xy[1] for a in fig.axes[0].texts if isinstance(a, Annotation)}
+    assert rows[("P", "save_kv_layer")] not in arrows and rows[("P", "wait_for_save")] in arrows
+    assert "copied to host memory" in texts and "wait_for_save  ->  files written: " in texts
     connector_timeline(tp, td)
 
     table = pd_files_table(str(storage))

@@ -88,12 +88,16 @@ def _summary(method: str, calls: list[dict[str, Any]]) -> str:
                              f"({r['tokens'][1] - r['tokens'][0]} tok)" for r in reqs)
         if method == "start_load_kv":
             return f"loaded {_kb(nbytes)}" if nbytes else "no-op (nothing to load)"
-        if method in ("save_kv_layer", "wait_for_layer_load"):
-            moved = f", {_kb(nbytes)}" if nbytes else ", nothing moved"
+        if method == "save_kv_layer":       # gathers into host memory; wait_for_save writes
+            moved = f", {_kb(nbytes)} copied to host memory" if nbytes else ", nothing to copy"
+            return f"x{len(calls)} layers{moved}"
+        if method == "wait_for_layer_load":
+            moved = f", {_kb(nbytes)} loaded" if nbytes else ", nothing moved"
             return f"x{len(calls)} layers{moved}"
         if method == "wait_for_save":
             res = {k: v for c in calls for k, v in (c["result"] or {}).items()}
-            return ", ".join(f"req {k}: {v}" for k, v in res.items()) or "no-op (nothing to save)"
+            return ("files written: " + ", ".join(f"req {k}: {v}" for k, v in res.items())
+                    if res else "no-op (nothing to save)")
         if method == "request_finished":
             return "req " + ", ".join(str(c["req_id"]) for c in calls)
     except (TypeError, KeyError, IndexError):
@@ -148,7 +152,9 @@ def pd_flow_figure(tracer_p: StepsLike, tracer_d: StepsLike, title: Optional[str
     for row, e in enumerate(entries):
         x = lanes[(e["instance"], e["role"])]
         color = ROLE_COLORS.get(e["role"], "grey")
-        to_storage = e["instance"] == "P" and e["bytes"] and e["method"] == "save_kv_layer"
+        # save_kv_layer only gathers rows into the worker's host memory: the files (the arrow to
+        # storage) are written by wait_for_save.
+        to_storage = False
         committed = e["instance"] == "P" and e["method"] == "wait_for_save" and e["calls"] and any(
             c["result"] for c in e["calls"])
         from_storage = e["instance"] == "D" and (

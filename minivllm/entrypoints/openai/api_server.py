@@ -80,39 +80,49 @@ def build_app(async_llm: AsyncLLM, served_model_name: str,
     return app
 
 
+class _HelpWithDefaults(argparse.RawDescriptionHelpFormatter,
+                        argparse.ArgumentDefaultsHelpFormatter):
+    """``--help``: the module's text as written, and every option with its default."""
+
+
 def make_arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="minivllm serve", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=_HelpWithDefaults)
     ap.add_argument("model_tag", nargs="?", default=None, help="the model, as in `vllm serve M`")
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--served-model-name", default=None)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint: HF folder, .gguf, hub id")
+    ap.add_argument("--served-model-name", default=None, help="the name /v1/models shows")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind")
+    ap.add_argument("--port", type=int, default=8000, help="port to bind")
     ap.add_argument("--api-key", nargs="+", default=None,
-                    help="/v1/* needs 'Authorization: Bearer KEY' (default: $VLLM_API_KEY, "
-                         "then $MINIVLLM_API_KEY; none: open)")
+                    help="/v1/* needs 'Authorization: Bearer KEY' (unset: $VLLM_API_KEY, "
+                         "then $MINIVLLM_API_KEY; none of them: open)")
     ap.add_argument("--ssl-keyfile", default=None, help="TLS: the server's private key (PEM)")
     ap.add_argument("--ssl-certfile", default=None, help="TLS: the server's certificate (PEM)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-num-seqs", type=int, default=128)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument("--max-num-seqs", type=int, default=128, help="requests per step")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="token budget per step (None: the engine's)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="None: the model's")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    ap.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                    help="KV blocks (None: sized from memory)")
+    ap.add_argument("--dtype", default="auto", help="weights and activations (auto: the checkpoint's)")
+    ap.add_argument("--device", default="auto", help="where the engine runs")
+    ap.add_argument("--attention-backend", default="auto", help="the attention implementation")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="reuse cached prompt blocks")
     ap.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                    default=True)
-    ap.add_argument("--speculative-config", type=json.loads, default=None, help="JSON")
-    ap.add_argument("--kv-transfer-config", type=json.loads, default=None, help="JSON")
+                    default=True, help="split long prompts across steps")
+    ap.add_argument("--speculative-config", type=json.loads, default=None,
+                    help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3}')
+    ap.add_argument("--kv-transfer-config", type=json.loads, default=None,
+                    help='JSON, e.g. {"kv_connector": "SharedStorageConnector", ...}')
     ap.add_argument("--max-pending-requests", type=int, default=256,
                     help="requests in flight (running + waiting) beyond which the server "
                          "answers 503")
     ap.add_argument("--num-threads", type=int, default=None,
-                    help="torch CPU threads for this instance (default: torch's choice)")
-    ap.add_argument("--log-level", default="warning")
+                    help="torch CPU threads for this instance (None: torch's choice)")
+    ap.add_argument("--log-level", default="warning", help="uvicorn's")
     return ap
 
 

@@ -121,7 +121,8 @@ class JupyterLab:
         for var, sub in dirs.items():
             env[var] = os.path.join(self.workdir, sub)
             os.makedirs(env[var], exist_ok=True)
-        env.update(MINIVLLM_NOTEBOOK_FAST="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+        from minivllm.notebooks import KERNEL_ENV      # as the stored outputs were computed
+        env.update(KERNEL_ENV, PYTHONUNBUFFERED="1",
                    PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
         env.update(self.extra_env)
         return env

@@ -8,6 +8,7 @@ MINIVLLM_NOTEBOOK_FAST=1) runs all cells of each notebook with widgets while Chr
 - every widget output rendered as a live widget, never as its text fallback
   (``VBox(children=(IntSlider(...`` or "Error displaying widget");
 - every cell's output, as the page shows it, fits a screen (the same limits as test_notebooks.py);
+- the stored outputs agree with this run (nbval's rule, as test_notebooks.py compares the others);
 - in notebooks 01 and 02, moving the first slider with the keyboard redraws the figure next to it.
 A failing notebook leaves a screenshot (the path is in the failure message). JupyterLab, its
 kernels and Chromium are stopped by PID when the module ends, also on failure.
@@ -26,7 +27,7 @@ import pytest
 
 from nb_browser import browser_missing, lab_page
 from nb_page import close_notebook, move_first_slider, open_and_run, widget_problems
-from test_notebooks import BROWSER_NOTEBOOKS, EXPECTED, MAX_CHARS, MAX_LINES
+from test_notebooks import BROWSER_NOTEBOOKS, EXPECTED, MAX_CHARS, MAX_LINES, nbformat, read
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # BROWSER_NOTEBOOKS: the notebooks whose figures are widgets. 05 (the heaviest: it trains a Medusa
@@ -62,12 +63,26 @@ def _screenshot(page, shots: str, name: str, cell: int | None = None) -> str:
     return path
 
 
+def _stale(view, name: str) -> list[str]:
+    """Stored outputs that differ from the page's run (the rule test_notebooks.py applies to the
+    notebooks it runs; this run is the one CI makes of these)."""
+    import copy
+    from minivllm import notebooks as stored
+    kept = read(name)
+    fresh = copy.deepcopy(kept)
+    for cell, seen in zip(fresh.cells, view.cells):
+        if cell.cell_type == "code":
+            cell.outputs = [nbformat.from_dict(o) for o in seen.outputs]
+    return stored.stale_cells(kept, fresh, name)
+
+
 def _problems(view, name: str) -> list[str]:
     """Cells that did not run, raised or do not fit a screen; lines of ``EXPECTED[name]`` the page
-    does not show (test_notebooks.py leaves these notebooks to this test when it runs); widgets
-    shown as text."""
+    does not show and stored outputs the run does not repeat (test_notebooks.py leaves these
+    notebooks to this test when it runs); widgets shown as text."""
     shown = "\n".join(c.text for c in view.cells if c.cell_type == "code")
     out = [f"the page lacks {piece!r}" for piece in EXPECTED[name] if piece not in shown]
+    out += _stale(view, name)
     for c in view.cells:
         if c.cell_type != "code":
             continue

@@ -4,6 +4,10 @@ shows ``view(step_record)`` for the chosen step.
 ``view`` is any function of one ``StepRecord``: it may return a matplotlib figure (shown, then
 closed), a string (printed) or an object with a rich display. The slider moves over the recorded
 steps only; nothing is recomputed.
+
+Displayed, it sends the live widget together with a static picture of the state it opens on (a PNG
+of the figure, or the text), which a page that runs no widget (the repository's web page, a
+notebook viewer) shows in its place; JupyterLab prefers the widget.
 """
 from __future__ import annotations
 
@@ -65,6 +69,23 @@ class StepSlider:
             elif result is not None:
                 display(result)
 
+    def static_bundle(self, dpi: int = 72) -> dict[str, str]:
+        """The opening state without a widget: {"image/png": base64 PNG, "text/plain": what it
+        shows}, or only "text/plain" for a view that returns text."""
+        import base64
+        import io
+        result = self.render()
+        text = f"{self.label.value}; move the slider in Jupyter to see the other steps"
+        if hasattr(result, "savefig"):
+            import matplotlib.pyplot as plt
+            buf = io.BytesIO()
+            result.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+            plt.close(result)
+            return {"image/png": base64.b64encode(buf.getvalue()).decode(), "text/plain": text}
+        return {"text/plain": f"{text}\n{result}" if isinstance(result, str) else text}
+
     def _ipython_display_(self) -> None:
         from IPython.display import display
-        display(self.widget)
+        bundle = dict(self.widget._repr_mimebundle_() or {})
+        bundle.update(self.static_bundle())
+        display(bundle, raw=True)

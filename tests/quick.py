@@ -7,8 +7,9 @@ cover, not for speed alone: the scheduler, the KV cache and its prefix cache, th
 on a tiny model, the model against transformers, attention (reference, CPU backend), linear
 routes, sampling and its vLLM options, the rejection sampler (torch and Triton), the n-gram
 proposer and speculative decoding end to end, the P/D connector in both roles and its faults, the
-breakpoints and the tour's registry, the README's structure and the import contracts. The
-default model, notebooks, servers, the real vLLM and the browser stay in the full run.
+breakpoints and the tour's registry, the README's structure and the import contracts, the stored
+notebooks' rules. The default model, notebook runs, servers, the real vLLM and the browser stay in
+the full run.
 """
 from __future__ import annotations
 
@@ -66,6 +67,13 @@ QUICK: dict[str, "tuple[str, ...] | None"] = {
                        "test_readme_layout_lists_current_files_and_line_counts"),
     "test_import_contract.py": ALL,
     "test_viz_text.py": ALL,
+    # the lessons as stored (no notebook runs): the staleness rule, sizes, the exercises' count
+    "test_notebooks.py": ("test_a_stale_stored_output_fails_naming_the_cell",
+                          "test_stored_notebooks_are_small_with_png_figures_and_static_widgets",
+                          "test_every_cell_left_uncompared_is_listed_with_its_reason",
+                          "test_one_count_of_exercises_everywhere"),
+    "test_exercise_checks.py": ("test_the_suffix_walk_check_names_the_case_and_hints_at_the_common_"
+                                "mistakes",),
 }
 
 

@@ -20,6 +20,7 @@ but not compared (nbval's rule for an unrun reference cell).
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import time
@@ -100,7 +101,6 @@ class _NbvalRule:
     def differs(self, fresh: list, stored: list) -> Optional[str]:
         """None when the outputs agree, else nbval's account of the first difference."""
         from nbval.plugin import coalesce_streams
-        import copy
         if self._compare(self, coalesce_streams(copy.deepcopy(fresh)),
                          coalesce_streams(copy.deepcopy(stored))):
             return None

@@ -356,3 +356,10 @@ def test_every_cell_left_uncompared_is_listed_with_its_reason():
               if name.endswith(".ipynb") for cell in read(name).cells
               if "nbval-ignore-output" in cell.metadata.get("tags", [])}
     assert tagged == listed
+
+
+def test_refresh_leaves_the_exercise_notebooks_alone():
+    """The learner's cells stay empty: refresh refuses an exercise notebook before running any."""
+    with pytest.raises(SystemExit, match="exercise notebook"):
+        stored.main(["refresh", "01_paged_kv_cache.ipynb", "04_exercises.ipynb"])
+    assert "04_exercises.ipynb" not in stored.lesson_notebooks()

@@ -42,8 +42,7 @@ def cluster():
 def fleet(cluster, tiny_chat_dir):
     config = FleetConfig(model=tiny_chat_dir, replica_num_cpus=1, node_ip=False,
                          api_keys=[KEY], backend_api_key="internal-key",
-                         server_args=["--max-num-batched-tokens", "16",
-                                      "--max-model-len", "1024"],
+                         server_args=["--max-model-len", "1024"],     # the engine's defaults
                          metrics_interval_s=0.25, look_back_period_s=0.5,
                          drain_timeout_s=20)
     targets = FleetTargets(prefill_min=1, prefill_max=2, decode_min=1, decode_max=2,
@@ -97,9 +96,10 @@ def test_redis_store_fleet_across_nodes_with_its_own_secured_store(cluster, tiny
     f = start_fleet(config, FleetTargets(1, 1, 1, 1), startup_timeout=180)
     try:
         store = f.kv_store
-        assert store["password"] and "@" not in store["url"] and config.backend_api_key
+        assert store["password"] and "@" not in store["url"] and f.config.backend_api_key
+        assert config.backend_api_key is None and config.kv_store_url is None   # caller's untouched
         shown = _deployed_config_text()          # the random keys live in FleetState only
-        assert config.backend_api_key not in shown and KEY not in shown
+        assert f.config.backend_api_key not in shown and KEY not in shown
         assert not store["url"].startswith("redis://127.0.0.1")      # the node's address
         with pytest.raises(redis.AuthenticationError):
             redis.Redis.from_url(store["url"], socket_timeout=5).ping()
@@ -184,7 +184,9 @@ def _load_until(fleet, stop, errors, prompt, max_tokens):
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_each_role_scales_under_its_own_load_and_back(fleet, role):
     """Long prompts, one token each, queue only prompt tokens; short prompts with long
-    generations only fill the decode batch. Each must grow its own role, not the other."""
+    generations only fill the decode batch. Each must grow its own role, not the other. Driven
+    over HTTP by more clients than Serve's default of 5 per replica, with the engine's default
+    token budget (a whole burst is scheduled in one step: prefill must still see it)."""
     import threading
     _wait(fleet, lambda v: v["prefill"]["replicas"] == 1 and v["decode"]["replicas"] == 1, 60)
     other = "decode" if role == "prefill" else "prefill"

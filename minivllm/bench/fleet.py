@@ -74,7 +74,7 @@ def run_once(args, bounds: tuple[int, int]) -> dict:
         rec = fleet.records()
     finally:
         fleet.stop()
-    ticks = [d for d in rec["decisions"] if t0 <= d["time"] <= t3]
+    ticks = [d for d in rec["metrics"] if t0 <= d["time"] <= t3]
     rs = {r: sum(a["running"][r] * (b["time"] - a["time"]) for a, b in zip(ticks, ticks[1:]))
           for r in ("prefill", "decode")}
     up = {}

@@ -29,18 +29,34 @@ ROLES = ("prefill", "decode")
 MARKER = ".minivllm-fleet-marker"
 
 
+ROLE_METRICS = {"prefill": ("waiting_prompt_tokens", "running_prefills", "kv_cache_usage",
+                             "ttft_recent_s"),
+                 "decode": ("running_requests", "kv_cache_usage", "itl_recent_s")}
+MAX_TICKS = 5000          # the per-tick series: about 40 min at Serve's 0.5 s control loop
+MAX_LISTED = 1000         # decisions and replica events kept
+
+
+def readable(t: float) -> str:
+    """An epoch time as a person reads it (UTC, to the millisecond)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
+
+
 class FleetState:
     """The fleet's named actor. Replicas register their URL once serving and leave when they
     start draining; a replica that died without leaving is dropped by ``prune`` (its actor no
-    longer answers). The policy appends one record per Serve control-loop tick."""
+    longer answers). The policy hands it one record per Serve control-loop tick: every tick goes
+    to the ``metrics`` series; only a tick whose counts or wishes differ from the last listed one
+    becomes a decision, so ``/fleet``'s decisions are the ones a person needs to read."""
 
     def __init__(self, bounds: dict, kv_store: Any = None, keys: Any = None) -> None:
         self.bounds = bounds                              # {"prefill": [min, max], ...}
         self.kv_store = kv_store                          # fleet_store.describe: no password
         self._keys = dict(keys or {})                     # fleet_config.fleet_keys
         self.members: dict = {r: {} for r in ROLES}       # role -> {replica: (url, actor)}
-        self.decisions: collections.deque = collections.deque(maxlen=5000)
-        self.events: collections.deque = collections.deque(maxlen=1000)
+        self.ticks: collections.deque = collections.deque(maxlen=MAX_TICKS)
+        self.decisions: collections.deque = collections.deque(maxlen=MAX_LISTED)
+        self.events: collections.deque = collections.deque(maxlen=MAX_LISTED)
+        self._listed: Any = None                          # the last listed decision's key
 
     def keys(self) -> dict:
         """``{"api_keys": [...], "backend_api_key": str | None}``, asked once by the ingress and
@@ -49,13 +65,13 @@ class FleetState:
 
     def register(self, role: str, replica: str, url: str, actor: Any) -> None:
         self.members[role][replica] = (url, actor)
-        self.events.append({"time": time.time(), "event": "serving", "role": role,
-                            "replica": replica})
+        self.record_event({"time": time.time(), "event": "serving", "role": role,
+                           "replica": replica})
 
     def deregister(self, role: str, replica: str, event: str = "draining") -> None:
         if self.members[role].pop(replica, None) is not None:
-            self.events.append({"time": time.time(), "event": event, "role": role,
-                                "replica": replica})
+            self.record_event({"time": time.time(), "event": event, "role": role,
+                               "replica": replica})
 
     async def prune(self) -> None:
         for role in ROLES:
@@ -69,25 +85,39 @@ class FleetState:
         return {r: sorted(u for u, _ in m.values()) for r, m in self.members.items()}
 
     def record_decision(self, record: dict) -> None:
-        self.decisions.append(record)
+        """One tick of the policy (autoscale.FleetAutoscalingPolicy): ``time``, the counts
+        ``prefill``/``decode``, ``running``, ``metrics``, ``wishes``, ``reason``."""
+        record = dict(record, at=readable(record["time"]))
+        self.ticks.append(record)
+        key = (record["prefill"], record["decode"], tuple(sorted(record.get("wishes", {}).items())))
+        if key != self._listed:
+            self._listed = key
+            self.decisions.append({k: record[k] for k in
+                                   ("time", "at", "prefill", "decode", "reason") if k in record})
 
     def record_event(self, record: dict) -> None:
-        self.events.append(record)
+        self.events.append(dict(record, at=readable(record["time"])))
 
-    def view(self, last: int = 50) -> dict:
-        """``GET /fleet``: replicas serving per role, bounds, the latest metrics, recent decisions."""
-        latest = self.decisions[-1] if self.decisions else {}
-        out: dict = {r: {"replicas": len(self.members[r]), "min": self.bounds[r][0],
-                         "max": self.bounds[r][1], "metrics": latest.get("metrics", {}).get(r, {})}
-                     for r in ROLES}
+    def view(self, last: int = 20) -> dict:
+        """``GET /fleet``: per role the replicas serving, bounds and its own latest metrics; the
+        last decisions (a count or a wish changed) and, beside them, the replicas' events."""
+        latest = self.ticks[-1] if self.ticks else {}
+        out: dict = {}
+        for r in ROLES:
+            mine = latest.get("metrics", {}).get(r, {})
+            out[r] = {"replicas": len(self.members[r]), "min": self.bounds[r][0],
+                      "max": self.bounds[r][1],
+                      "metrics": {k: mine[k] for k in ROLE_METRICS[r] if k in mine}}
         out["kv_store"] = self.kv_store
-        out["decisions"] = [{k: d[k] for k in ("time", "prefill", "decode", "reason")}
-                            for d in list(self.decisions)[-last:]]
+        out["decisions"] = list(self.decisions)[-last:]
+        out["events"] = list(self.events)[-last:]
         return out
 
     def records(self) -> dict:
-        """Everything recorded (the notebook's and the bench's figures read this, never recompute)."""
-        return {"decisions": list(self.decisions), "events": list(self.events)}
+        """Everything recorded (the notebook's and the bench's figures read this, never
+        recompute): ``decisions``, ``events`` and ``metrics``, the per-tick series."""
+        return {"decisions": list(self.decisions), "events": list(self.events),
+                "metrics": list(self.ticks)}
 
 
 def engine_load(async_llm: Any, last: dict) -> dict:
@@ -96,8 +126,7 @@ def engine_load(async_llm: Any, last: dict) -> dict:
     histograms' sums and counts). ``last`` carries those sums between calls."""
     sched = async_llm.engine.engine_core.scheduler
     waiting, running = list(sched.waiting), list(sched.running)   # list(): one atomic copy
-    queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in waiting + running)
-    out = {"waiting_prompt_tokens": float(queued),
+    out = {"waiting_prompt_tokens": float(prompt_tokens_not_prefilled(waiting + running)),
            "running_prefills": float(sum(r.num_computed_tokens < r.num_prompt_tokens
                                          for r in running)),
            "running_requests": float(async_llm.num_pending),
@@ -107,6 +136,15 @@ def engine_load(async_llm: Any, last: dict) -> dict:
         out[key] = (hist.sum - s) / (hist.count - n) if hist.count > n else 0.0
         last[key] = (hist.sum, hist.count)
     return out
+
+
+def prompt_tokens_not_prefilled(requests: Any) -> int:
+    """The prompt tokens of requests whose prefill has not *finished*: a request counts, less its
+    prefix-cache hit, until its first output token exists. ``num_computed_tokens`` is no measure:
+    the scheduler advances it when it *schedules* a chunk, so with the default token budget a
+    whole burst reads 0 while its one long forward still runs for seconds."""
+    return sum(r.num_prompt_tokens - max(0, r.num_cached_tokens)
+               for r in requests if r.num_output_tokens == 0)
 
 
 def kv_transfer_config(role: str, config: dict, host: str, password: Any = None) -> dict:

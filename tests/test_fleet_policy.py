@@ -149,16 +149,16 @@ def test_the_deployed_config_carries_no_key():
     from minivllm.disagg.fleet_config import (APP, SECRETS, FleetConfig, app_config,
                                               fleet_keys)
     config = FleetConfig("m", "RedisStoreConnector", api_keys=["client-key-1"],
-                         backend_api_key="backend-key-2", secure=True, state_actor="fleet-state-x")
+                         secure=True, state_actor="fleet-state-x")
     app = app_config(config, T)
-    assert "client-key-1" not in json.dumps(app) and "backend-key-2" not in json.dumps(app)
+    assert "client-key-1" not in json.dumps(app)
     assert set(app["args"]["config"]) == set(asdict(config)) - set(SECRETS)
     assert app["args"]["targets"] == asdict(T) and app["name"] == APP
     assert app["autoscaling_policy"]["policy_kwargs"]["state_actor"] == "fleet-state-x"
-    assert fleet_keys(config) == {"api_keys": ["client-key-1"], "backend_api_key": "backend-key-2"}
+    assert fleet_keys(config) == {"api_keys": ["client-key-1"]}
     schema = pytest.importorskip("ray.serve.schema")     # pydantic only: no Ray starts
     deployed = schema.ServeDeploySchema(applications=[app]).model_dump_json()
-    assert "backend-key-2" not in deployed and "client-key-1" not in deployed
+    assert "client-key-1" not in deployed
     assert '"model":"m"' in deployed.replace(" ", "")
 
 
@@ -183,8 +183,6 @@ def test_a_running_serve_keeps_its_http_options():
 def test_fleet_lists_a_decision_only_when_a_count_or_a_wish_changes():
     """Every tick goes to the ``metrics`` series; ``/fleet``'s decisions are the changes, with
     times a person reads, and each role shows only its own metrics beside the replicas' events."""
-    import asyncio
-
     from minivllm.disagg.autoscale import FleetAutoscalingPolicy
     from minivllm.disagg.fleet_replicas import ROLE_METRICS, FleetState
     state = FleetState({"prefill": [1, 2], "decode": [1, 2]})
@@ -205,10 +203,13 @@ def test_fleet_lists_a_decision_only_when_a_count_or_a_wish_changes():
     assert [(x["prefill"], "wants" in x["reason"]) for x in rec["decisions"]] == [
         (1, False), (1, True), (2, False), (2, True), (1, False)]
     assert rec["decisions"][0]["at"].startswith("2027-01-15 08:00:00.000")
-    asyncio.run(state.prune())
-    state.register("decode", "r1", "http://x", None)
+    state.register("decode", "r1")
+    state.register("decode", "r2")
+    state.deregister("decode", "r1")                      # it said it drains
+    state.deregister("decode", "r2", "left")              # the router saw it go, undrained
     view = state.view()
-    assert view["events"][-1]["event"] == "serving" and view["events"][-1]["at"]
+    assert [e["event"] for e in view["events"]] == ["serving", "serving", "draining", "lost"]
+    assert view["events"][-1]["at"] and view["decode"]["replicas"] == 0
     for role in ("prefill", "decode"):
         assert set(view[role]["metrics"]) <= set(ROLE_METRICS[role])
     assert "waiting_prompt_tokens" not in view["decode"]["metrics"]
@@ -252,7 +253,7 @@ def test_the_fleet_starts_a_ray_of_its_own_and_never_changes_the_callers_config(
     filled = fleet._with_fleet_defaults(config)
     try:
         assert dataclasses.asdict(config) == before
-        assert filled.backend_api_key and filled.state_actor and filled.shared_storage_path
+        assert filled.state_actor and filled.shared_storage_path
     finally:
         import os
         os.rmdir(filled.shared_storage_path)

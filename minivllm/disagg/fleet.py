@@ -3,32 +3,35 @@ instances and M vLLM decode instances, autoscaling them based on the live reques
 Ray Serve application.
 
     python -m minivllm.disagg.fleet --prefill 1:3 --decode 1:3 --kv-connector ZmqPullConnector \\
-        --port 8004 [--address auto|HOST:PORT] [--secure] [--model M]
-    python -m minivllm.disagg.fleet --kv-connector RedisStoreConnector --secure ...
+        --port 8004 [--router kv|round_robin|serve] [--pd-min-uncached-tokens N]
+        [--address auto|HOST:PORT] [--secure] [--model M]
 
 - Two deployments, ``prefill`` and ``decode`` (fleet_replicas.EngineReplica): each replica one
   ``AsyncLLM`` engine with its role's ``KVTransferConfig``, placed on a node that carries the
   role's custom resource (``ray start --resources='{"prefill": 1}'``) when the cluster has one.
-- The ingress (fleet_replicas.FleetIngress): the P/D proxy's two stages (disagg/proxy.py, the same
-  code), the OpenAI endpoints, ``--api-key``, ``GET /fleet``.
+- The ingress (fleet_ingress.py): the OpenAI endpoints, ``--api-key``, ``GET /fleet``; it
+  tokenizes each prompt, picks the decode replica first by the KV it holds, prefills remotely
+  only where that pays, and calls both roles through ``DeploymentHandle``s.
+- The request routers (kv_router.py: ``--router``), fed by each engine's KV events
+  (distributed/kv_events.py) into one index per pool (kv_index.py).
 - The KV path across nodes: ``ZmqPullConnector`` (decode pulls from the prefill node);
   ``RedisStoreConnector``: the store at ``--kv-store-url``, else one the fleet starts and stops
   (fleet_store.py: redis-server on this node's address; ``--secure`` gives it a random password
-  only the replicas get, as it gives the replicas a key only the ingress holds; no key is written
-  into Serve's application config: the ingress and the replicas ask ``FleetState``, fleet_config.py);
-  ``SharedStorageConnector``: a folder every node mounts. ``GET /fleet`` names the store.
+  only the replicas get; no key is written into Serve's application config: the ingress and the
+  replicas ask ``FleetState``, fleet_config.py); ``SharedStorageConnector``: a folder every node
+  mounts. ``GET /fleet`` names the store.
 - One application-level autoscaling policy sizes both roles together from the load each replica
   reports (disagg/autoscale.py). Ray Serve takes it only from an application *config*
   (``autoscaling_policy`` in ``ServeApplicationSchema``), so the fleet deploys itself as a config
   whose ``import_path`` is ``fleet_app`` below (fleet_config.app_config).
 
-``MIN:MAX`` per role; one number is a fixed count. Without ``--address`` a local Ray instance is
-started for the fleet alone (``ray.init(address="local")``, stopped at exit), whatever other Ray runs on
-the machine; with it the fleet joins a running cluster and, at exit, deletes only
-its own application (and Serve, when it started Serve). Where Serve already runs, the ingress is on
-that Serve's HTTP host and port (Serve fixes them when it starts): a ``--port`` or ``--host`` that
-differs is refused with the running ones named. Ctrl-C or SIGTERM stops the fleet, its own KV store
-included.
+``MIN:MAX`` per role; one number is a fixed count. Without ``--address`` a Ray instance is
+started for the fleet alone (``ray.init(address="local")``, stopped at exit), whatever other Ray
+runs on the machine; with it the fleet joins a running cluster and, at exit, deletes only its own
+application (and Serve, when it started Serve). Where Serve already runs, the ingress is on that
+Serve's HTTP host and port (Serve fixes them when it starts): a ``--port`` or ``--host`` that
+differs is refused with the running ones named. Ctrl-C or SIGTERM stops the fleet, its own KV
+store included, and every Ray process it started.
 """
 from __future__ import annotations
 
@@ -37,7 +40,6 @@ import dataclasses
 import json
 import math
 import os
-import secrets
 import signal
 import sys
 import tempfile
@@ -47,20 +49,22 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from minivllm.disagg.autoscale import FleetTargets
-from minivllm.disagg.fleet_config import (APP, CONNECTORS, FleetConfig,  # noqa: F401  re-exported
-                                          FleetConfigError, app_config, check_config, fleet_keys,
-                                          http_options, parse_range)
+from minivllm.disagg.fleet_config import (APP, CONNECTORS, ROUTER_NAMES,  # noqa: F401
+                                          FleetConfig, FleetConfigError, app_config,
+                                          check_config, fleet_keys, http_options, parse_range)
 from minivllm.disagg.fleet_replicas import MARKER, NAMESPACE, ROLES
 
 INSTALL = 'the fleet runs on Ray Serve, which is not installed: pip install "minivllm[fleet]"'
 
+# How often each replica reports its KV blocks in use (the score's load term) to the routers.
+ROUTING_STATS_PERIOD_S = 1.0
 # Serve lets a replica take at most ``max_ongoing_requests`` calls at once (default 5) and queues
 # the rest in front of it. The ingress only awaits I/O (two HTTP streams per request), so that
 # default would admit 5 requests at a time to the whole fleet; the engines bound real work
 # themselves (``--max-pending-requests``, 256: a 503 beyond it), so the ingress admits as many.
 INGRESS_MAX_ONGOING_REQUESTS = 256
-# An engine replica's Serve calls are the controller's (health checks, autoscaling stats); the
-# requests reach its own HTTP server. No Serve-side queue should ever hold those calls back.
+# An engine replica's own limit is its engine's (``--max-pending-requests``, 256, then a 503):
+# Serve's queue in front of it should never be the one that holds requests back.
 REPLICA_MAX_ONGOING_REQUESTS = 1000
 # A node offers ``{"prefill": 1}``: a replica asks for a sliver of it, so the resource tags where
 # a role may run without capping how many replicas one node carries (up to 1 / this).
@@ -74,7 +78,9 @@ def fleet_app(args: dict):
     """The application builder Serve imports from the config (``import_path``)."""
     from ray import serve
 
-    from minivllm.disagg.fleet_replicas import EngineReplica, FleetIngress
+    from minivllm.disagg.fleet_ingress import FleetIngress
+    from minivllm.disagg.fleet_replicas import EngineReplica
+    from minivllm.disagg.kv_router import ROUTERS
     config, targets = args["config"], FleetTargets(**args["targets"])
     replicas = []
     for role in ROLES:
@@ -82,8 +88,12 @@ def fleet_app(args: dict):
         actor = {"num_cpus": config["replica_num_cpus"]}
         if config["by_role"]:
             actor["resources"] = {role: ROLE_RESOURCE_PER_REPLICA}
+        router = ROUTERS[config["router"]]       # None: Serve's default router
+        routing = {"request_router_config": {
+            "request_router_class": router, "request_router_kwargs": {"pool": role},
+            "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S}} if router else {}
         replicas.append(serve.deployment(
-            EngineReplica, name=role, ray_actor_options=actor,
+            EngineReplica, name=role, ray_actor_options=actor, **routing,
             max_ongoing_requests=REPLICA_MAX_ONGOING_REQUESTS,
             # Serve's own delays are 0: the policy applies the fleet's (autoscale.decide).
             autoscaling_config={"min_replicas": lo, "max_replicas": hi, "initial_replicas": lo,
@@ -180,11 +190,9 @@ def start_fleet(config: FleetConfig, targets: FleetTargets = FleetTargets(),
 
 
 def _with_fleet_defaults(config: FleetConfig) -> FleetConfig:
-    """A copy with what the caller left open filled in: a random key for the replicas under
-    ``secure``, a folder for ``SharedStorageConnector``, the state actor's name."""
+    """A copy with what the caller left open filled in: a folder for ``SharedStorageConnector``,
+    the state actor's name."""
     changes: dict = {"state_actor": config.state_actor or f"fleet-state-{uuid.uuid4().hex[:8]}"}
-    if config.secure and not config.backend_api_key:
-        changes["backend_api_key"] = secrets.token_urlsafe(24)
     if config.kv_connector == "SharedStorageConnector" and not config.shared_storage_path:
         changes["shared_storage_path"] = tempfile.mkdtemp(prefix="minivllm-fleet-kv-")
     return dataclasses.replace(config, **changes)
@@ -315,13 +323,18 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key", nargs="+", default=None,
                     help="clients must send it (default: $VLLM_API_KEY, $MINIVLLM_API_KEY)")
     ap.add_argument("--secure", action="store_true",
-                    help="the replicas require a random key that only the ingress holds; the "
-                         "fleet's own KV store a random password that only the replicas get")
+                    help="the fleet's own KV store gets a random password only the replicas get")
     ap.add_argument("--kv-store-url", default=None,
                     help="RedisStoreConnector: a store you run (redis://[:PASSWORD@]HOST:PORT/0); "
                          "default: the fleet starts one on this node and stops it at exit")
     ap.add_argument("--shared-storage-path", default=None,
                     help="SharedStorageConnector: a folder every node mounts")
+    ap.add_argument("--router", default="kv", choices=ROUTER_NAMES,
+                    help="kv: by the KV each replica holds (its prefix-cache events); "
+                         "round_robin; serve: Serve's default (power of two choices)")
+    ap.add_argument("--pd-min-uncached-tokens", type=int, default=64,
+                    help="decode is picked first; when it holds all but at most this many prompt "
+                         "tokens it computes them itself, no remote prefill (0: always remote)")
     ap.add_argument("--prefill-target-queued-tokens", type=int,
                     default=d.prefill_target_queued_tokens)
     ap.add_argument("--decode-target-running", type=int, default=d.decode_target_running)
@@ -353,7 +366,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                          server_args=args.server_args.split(),
                          replica_num_cpus=args.replica_num_cpus,
                          api_keys=api_keys_from(args.api_key),
-                         secure=args.secure,
+                         secure=args.secure, router=args.router,
+                         pd_min_uncached_tokens=args.pd_min_uncached_tokens,
                          kv_store_url=args.kv_store_url,
                          shared_storage_path=args.shared_storage_path)
     stop = {"now": False}

@@ -233,6 +233,14 @@ class KVEventSubscriber:
         self.next_seq = 0             # the first seq not yet seen
         self.missed = 0               # batches lost for good (no replay, or aged out of it)
 
+    def catch_up(self) -> list:
+        """Everything the publisher still buffers from ``next_seq`` on (a subscriber that joins
+        late: what was sent before it connected never reached it)."""
+        got = self._replay(self.next_seq, None)
+        if got:
+            self.next_seq = got[-1][0] + 1
+        return got
+
     def poll(self, timeout_s: float = 0.0) -> list:
         out = []
         while self._sub.poll(int(timeout_s * 1000)):
@@ -246,8 +254,9 @@ class KVEventSubscriber:
             timeout_s = 0.0
         return out
 
-    def _replay(self, start: int, stop: int) -> list:
-        """Batches ``start .. stop - 1`` from the replay socket (what was buffered of them)."""
+    def _replay(self, start: int, stop: Optional[int]) -> list:
+        """Batches ``start .. stop - 1`` (None: to the last) from the replay socket (what was
+        buffered of them)."""
         got = []
         if self._replay_endpoint is not None:
             # DEALER, not REQ: one request, many replies (the ROUTER streams every batch).
@@ -260,11 +269,12 @@ class KVEventSubscriber:
                     if seq_bytes == END_SEQ:
                         break
                     seq = int.from_bytes(seq_bytes, "big")
-                    if start <= seq < stop:
+                    if start <= seq and (stop is None or seq < stop):
                         got.append((seq, self._decode.decode(payload)))
             finally:
                 dealer.close(linger=0)
-        self.missed += (stop - start) - len(got)
+        if stop is not None:
+            self.missed += (stop - start) - len(got)
         return got
 
     def close(self) -> None:

@@ -25,10 +25,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def node_ports() -> dict:
-    """A node's agent ports, given: with 0 (Ray's default) the raylet waits for its agents to
-    write the ports they chose to a file, and on a loaded 2-core machine it gave up waiting."""
+    """A node's agent ports, fixed (free ones) rather than left to Ray to choose."""
     from minivllm.disagg.launch import free_port
-    return {k: free_port("127.0.0.1") for k in ("metrics_agent_port",
+    return {k: free_port("127.0.0.1") for k in ("metrics_agent_port", "metrics_export_port",
                                                 "dashboard_agent_listen_port",
                                                 "runtime_env_agent_port")}
 

@@ -225,9 +225,32 @@ def ideal_hits(args, runs: dict) -> tuple[int, int]:
     return hits, total
 
 
+def _own_ray() -> object:
+    """One Ray node for every router's run (a start costs about 30 s here), with fixed agent
+    ports and no dashboard (another Ray on the machine may hold its port). Returns the
+    ``Cluster`` (``shutdown()`` at the end)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from minivllm.disagg.launch import free_port
+    ports = {k: free_port("127.0.0.1") for k in ("metrics_agent_port", "metrics_export_port",
+                                                 "dashboard_agent_listen_port",
+                                                 "runtime_env_agent_port")}
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 4, "include_dashboard": False, **ports})
+    ray.init(address=cluster.address, log_to_driver=False)
+    return cluster
+
+
 def main_multiturn(args) -> None:
+    import ray
     routers = args.routers.split(",")
-    runs = {r: run_multiturn(args, r) for r in routers}
+    cluster = _own_ray()
+    try:
+        runs = {r: run_multiturn(args, r) for r in routers}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
     counts = {r: multiturn_counts(run) for r, run in runs.items()}
     ideal_hit, ideal_total = ideal_hits(args, runs)
     ideal = ideal_hit / max(1, ideal_total)

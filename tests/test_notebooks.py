@@ -157,7 +157,8 @@ EXPECTED = {
     "06_pd_at_scale.ipynb": ["keys,", "1P+2D via the proxy", "children still running: []",
                              "failed requests: []", "s  prefill 1->2 (",
                              "queued prompt tokens / 1000 per replica, wanted for",
-                             "Ray processes still running: []"],
+                             "Ray processes still running: []",
+                             "greedy outputs identical across routers: ", "the pick: "],
     "08_suffix_decoding.ipynb": ["context '... c a' -> draft ['b', 'a']", "last match, in the",
                                  "same greedy output: True", "suffix  accepted per verify step: ["],
 }

@@ -260,5 +260,5 @@ def test_the_fleet_starts_a_ray_of_its_own_and_never_changes_the_callers_config(
 
 
 def test_the_ingress_admits_more_than_serves_default_of_five():
-    from minivllm.disagg import fleet
-    assert fleet.INGRESS_MAX_ONGOING_REQUESTS >= 64
+    from minivllm.disagg import fleet_app
+    assert fleet_app.INGRESS_MAX_ONGOING_REQUESTS >= 64

@@ -23,7 +23,7 @@ from minivllm.disagg.fleet_replicas import NAMESPACE
 APP = "minivllm-fleet"
 CONNECTORS = ("ZmqPullConnector", "RedisStoreConnector", "SharedStorageConnector")
 POLICY = "minivllm.disagg.autoscale:FleetAutoscalingPolicy"
-IMPORT_PATH = "minivllm.disagg.fleet:fleet_app"
+IMPORT_PATH = "minivllm.disagg.fleet_app:fleet_app"
 SECRETS = ("api_keys",)          # never in the deployed config (FleetState.keys)
 ROUTER_NAMES = ("kv", "round_robin", "serve")
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000

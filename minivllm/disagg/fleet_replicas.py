@@ -3,7 +3,7 @@ holds the fleet's membership, the policy's decisions and the routes taken (the i
 fleet_ingress.py, the request routers kv_router.py).
 
 Nothing here imports ``ray`` at module level: ``fleet.py`` wraps these classes with
-``ray.remote`` / ``serve.deployment`` once it knows Ray is there (``fleet_app``).
+``ray.remote`` / ``serve.deployment`` once it knows Ray is there (fleet_app.py).
 
 - ``EngineReplica``: one ``AsyncLLM`` engine (what ``minivllm serve`` runs, built by the same
   functions) with its role's ``KVTransferConfig``. The ingress calls it through a

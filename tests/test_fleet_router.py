@@ -152,3 +152,13 @@ def test_the_pool_subscribes_to_each_replicas_events_and_forgets_one_that_leaves
         pool.update([])
         for p in pubs.values():
             p.shutdown()
+
+
+def test_the_fleet_figure_is_drawn_from_the_codes_own_names(tmp_path):
+    """figures/fleet_routing.png: every label is read from the object it names."""
+    pytest.importorskip("matplotlib")
+    from minivllm.disagg import fleet_figure
+    labels = fleet_figure.names()
+    assert labels["score"] == score.__name__ and labels["ingress"] == "HandleProxy"
+    assert (tmp_path / "f.png").exists() is False
+    assert fleet_figure.draw(str(tmp_path / "f.png")) and (tmp_path / "f.png").stat().st_size > 0

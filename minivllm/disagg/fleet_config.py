@@ -18,9 +18,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from minivllm.disagg.fleet_replicas import NAMESPACE
+from minivllm.disagg.fleet_replicas import APP_NAME as APP, NAMESPACE  # noqa: F401
 
-APP = "minivllm-fleet"
 CONNECTORS = ("ZmqPullConnector", "RedisStoreConnector", "SharedStorageConnector")
 POLICY = "minivllm.disagg.autoscale:FleetAutoscalingPolicy"
 IMPORT_PATH = "minivllm.disagg.fleet_app:fleet_app"

@@ -25,6 +25,7 @@ import time
 from typing import Any, AsyncIterator, Optional
 
 NAMESPACE = "minivllm-fleet"
+APP_NAME = "minivllm-fleet"       # fleet_config.APP, the application Serve runs
 ROLES = ("prefill", "decode")
 MARKER = ".minivllm-fleet-marker"
 
@@ -98,10 +99,11 @@ class FleetState:
         """``GET /fleet``: per role the replicas serving, bounds and its own latest metrics; the
         last decisions (a count or a wish changed) and, beside them, the replicas' events."""
         latest = self.ticks[-1] if self.ticks else {}
+        running = serving_replicas()
         out: dict = {}
         for r in ROLES:
             mine = latest.get("metrics", {}).get(r, {})
-            out[r] = {"replicas": len(self.members[r]), "min": self.bounds[r][0],
+            out[r] = {"replicas": running.get(r, len(self.members[r])), "min": self.bounds[r][0],
                       "max": self.bounds[r][1],
                       "metrics": {k: mine[k] for k in ROLE_METRICS[r] if k in mine}}
         out["kv_store"] = self.kv_store
@@ -115,6 +117,21 @@ class FleetState:
         (per request and role: the candidates, the blocks each held, their scores, the pick)."""
         return {"decisions": list(self.decisions), "events": list(self.events),
                 "metrics": list(self.ticks), "routes": list(self.routes)}
+
+
+def serving_replicas() -> dict:
+    """{role: replicas RUNNING} as Serve itself counts them (``serve.status()``); a replica lost
+    with its node, or whose leaving no router saw, is not counted. {} where Serve cannot say."""
+    try:
+        import ray
+        from ray import serve
+        if not ray.is_initialized():       # never start a Ray just to ask (serve.status would)
+            return {}
+        app = serve.status().applications.get(APP_NAME)
+        return {r: app.deployments[r].replica_states.get("RUNNING", 0)
+                for r in ROLES if app is not None and r in app.deployments}
+    except Exception:                                     # noqa: BLE001  no Serve (tests, stop)
+        return {}
 
 
 def engine_load(async_llm: Any, last: dict) -> dict:

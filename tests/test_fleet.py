@@ -17,18 +17,27 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 
 from minivllm.disagg.autoscale import FleetTargets  # noqa: E402
-from minivllm.disagg.fleet import FleetConfig, start_fleet  # noqa: E402
+from minivllm.disagg.fleet import (ROUTING_STATS_PERIOD_S, FleetConfig,  # noqa: E402
+                                   start_fleet)
 
 KEY = "fleet-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
+def node_ports() -> dict:
+    """A node's agent ports, fixed (free ones) rather than left to Ray to choose."""
+    from minivllm.disagg.launch import free_port
+    return {k: free_port("127.0.0.1") for k in ("metrics_agent_port", "metrics_export_port",
+                                                "dashboard_agent_listen_port",
+                                                "runtime_env_agent_port")}
+
+
 @pytest.fixture(scope="module")
 def cluster():
     from ray.cluster_utils import Cluster
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 4, "resources": {"prefill": 1}})
-    cluster.add_node(num_cpus=4, resources={"decode": 1})
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 4, "resources": {"prefill": 1}, **node_ports()})
+    cluster.add_node(num_cpus=4, resources={"decode": 1}, **node_ports())
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         assert len(ray.nodes()) == 2
@@ -41,9 +50,8 @@ def cluster():
 @pytest.fixture(scope="module")
 def fleet(cluster, tiny_chat_dir):
     config = FleetConfig(model=tiny_chat_dir, replica_num_cpus=1, node_ip=False,
-                         api_keys=[KEY], backend_api_key="internal-key",
-                         server_args=["--max-num-batched-tokens", "16",
-                                      "--max-model-len", "1024"],
+                         api_keys=[KEY], router="kv", pd_min_uncached_tokens=64,
+                         server_args=["--max-model-len", "1024"],     # the engine's defaults
                          metrics_interval_s=0.25, look_back_period_s=0.5,
                          drain_timeout_s=20)
     targets = FleetTargets(prefill_min=1, prefill_max=2, decode_min=1, decode_max=2,
@@ -92,14 +100,15 @@ def test_redis_store_fleet_across_nodes_with_its_own_secured_store(cluster, tiny
 
     from minivllm import LLM, SamplingParams
     config = FleetConfig(model=tiny_chat_dir, kv_connector="RedisStoreConnector", secure=True,
-                         replica_num_cpus=1, api_keys=[KEY],
+                         replica_num_cpus=1, api_keys=[KEY], pd_min_uncached_tokens=0,
                          server_args=["--max-model-len", "1024"])
     f = start_fleet(config, FleetTargets(1, 1, 1, 1), startup_timeout=180)
     try:
         store = f.kv_store
-        assert store["password"] and "@" not in store["url"] and config.backend_api_key
-        shown = _deployed_config_text()          # the random keys live in FleetState only
-        assert config.backend_api_key not in shown and KEY not in shown
+        assert store["password"] and "@" not in store["url"]
+        assert config.kv_store_url is None and f.config.kv_store_url      # the caller's untouched
+        shown = _deployed_config_text()          # the keys live in FleetState only
+        assert KEY not in shown
         assert not store["url"].startswith("redis://127.0.0.1")      # the node's address
         with pytest.raises(redis.AuthenticationError):
             redis.Redis.from_url(store["url"], socket_timeout=5).ping()
@@ -154,24 +163,79 @@ def test_openai_surface_streaming_auth_and_400s(fleet):
 
 
 def test_keys_stay_out_of_serve_and_a_running_serve_keeps_its_port(fleet):
-    """The replicas' key and the clients' key are nowhere in what Serve shows, yet the replicas
-    require the one the ingress asked of FleetState. A second fleet asking the running Serve for
-    another port is refused before it starts anything; the running fleet is untouched."""
+    """The clients' key is nowhere in what Serve shows; the replicas serve no HTTP of their own
+    (the ingress calls them through handles). A second fleet asking the running Serve for another
+    port is refused before it starts anything; the running fleet is untouched."""
     from minivllm.disagg.fleet_config import FleetConfigError
     shown = _deployed_config_text()
-    assert "internal-key" not in shown and KEY not in shown
-    decode = ray.get(fleet._state.urls.remote())["decode"][0]
-    assert httpx.get(decode + "/v1/models", timeout=30).status_code == 401
-    assert httpx.get(decode + "/v1/models", timeout=30,
-                     headers={"Authorization": "Bearer internal-key"}).status_code == 200
+    assert KEY not in shown
     port = int(fleet.url.rsplit(":", 1)[1])
     before = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
     with pytest.raises(FleetConfigError, match=f"127.0.0.1:{port}.*--port {port + 1}"):
         start_fleet(FleetConfig(model=fleet.config.model), port=port + 1)
     assert {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)} == before
     assert _complete(fleet, "still here", 4)["choices"][0]["text"] is not None
+    models = httpx.get(fleet.url + "/v1/models", headers=AUTH, timeout=30).json()
+    assert models["data"][0]["id"] == fleet.config.model
 
 
+def _chat(fleet, messages, max_tokens=12):
+    r = httpx.post(fleet.url + "/v1/chat/completions", headers=AUTH, timeout=120,
+                   json={"model": fleet.config.model, "messages": messages,
+                         "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"], r.headers["X-Request-Id"]
+
+
+def _route(fleet, request_id, timeout=10):
+    deadline = time.monotonic() + timeout
+    while True:
+        routes = [r for r in fleet.records()["routes"] if r["request_id"] == request_id]
+        if routes or time.monotonic() > deadline:
+            assert routes, request_id
+            return routes[0]
+        time.sleep(0.2)
+
+
+# A first turn long enough (about 120 tokens with the chat template) to be prefilled remotely
+# under pd_min_uncached_tokens=64; the next turns add less than 64 new tokens each.
+STORY = ("A lighthouse keeper lived alone on a rock far out at sea, where he kept the lamp "
+         "burning every night, wrote the weather in his log, and watched the ships go by. ")
+CONVERSATION = ["Here is a story. " + STORY * 3 + "Tell me what happens when a storm comes.",
+                "Now tell it from the point of view of the storm.",
+                "Here is another story. " + STORY * 3 + "Tell me about the ships."]
+
+
+def _offline_chat(model, messages, max_tokens=12):
+    from minivllm import LLM, SamplingParams
+    from minivllm.model_executor.model_loader import load_tokenizer
+    tok = load_tokenizer(model)
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False), add_special_tokens=False)
+    llm = LLM(model=model, seed=0, max_model_len=1024)
+    return llm.generate([{"prompt_token_ids": ids}],
+                        SamplingParams(temperature=0, max_tokens=max_tokens))[0].outputs[0].text
+
+
+def test_a_second_turn_goes_where_the_first_is_cached_and_skips_the_remote_prefill(fleet):
+    """Turn 1: nothing cached anywhere, prefilled remotely. Turn 2: the decode replica that served
+    turn 1 holds its blocks (its KV events said so), so the router picks it and, with at most
+    ``pd_min_uncached_tokens`` left to compute, it computes them itself: no remote prefill. The
+    greedy text equals one engine's."""
+    messages = [{"role": "user", "content": CONVERSATION[0]}]
+    text1, rid1 = _chat(fleet, messages)
+    first = _route(fleet, rid1)
+    assert first["remote_prefill"] is True and first["served_by"]
+    messages += [{"role": "assistant", "content": text1},
+                 {"role": "user", "content": CONVERSATION[1]}]
+    time.sleep(ROUTING_STATS_PERIOD_S + 0.5)    # the replicas have reported their events' address
+    text2, rid2 = _chat(fleet, messages)
+    second = _route(fleet, rid2)
+    held = {c["replica"]: c["cached_blocks"] for c in second["candidates"]}
+    assert second["pick"] == first["served_by"] == second["served_by"], second
+    assert held[second["pick"]] > 0 and second["remote_prefill"] is False, second
+    assert second["prefill"] is None
+    assert text2 == _offline_chat(fleet.config.model, messages)
 def _load_until(fleet, stop, errors, prompt, max_tokens):
     import random
     while not stop.is_set():      # a new prefix each time: no prefix-cache hit
@@ -184,7 +248,9 @@ def _load_until(fleet, stop, errors, prompt, max_tokens):
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_each_role_scales_under_its_own_load_and_back(fleet, role):
     """Long prompts, one token each, queue only prompt tokens; short prompts with long
-    generations only fill the decode batch. Each must grow its own role, not the other."""
+    generations only fill the decode batch. Each must grow its own role, not the other. Driven
+    over HTTP by more clients than Serve's default of 5 per replica, with the engine's default
+    token budget (a whole burst is scheduled in one step: prefill must still see it)."""
     import threading
     _wait(fleet, lambda v: v["prefill"]["replicas"] == 1 and v["decode"]["replicas"] == 1, 60)
     other = "decode" if role == "prefill" else "prefill"
@@ -237,6 +303,8 @@ def test_killed_decode_replica(fleet):
             break
         time.sleep(0.25)
     assert len(names) == 1, names
+    messages = [{"role": "user", "content": CONVERSATION[2]}]       # a conversation's first turn
+    text1, _ = _chat(fleet, messages)
     body = {"model": fleet.config.model, "prompt": "hi", "max_tokens": 400, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", fleet.url + "/v1/completions", json=body, headers=AUTH,
@@ -259,6 +327,14 @@ def test_killed_decode_replica(fleet):
     assert any(e["event"] == "lost" for e in fleet.records()["events"])
     _wait(fleet, lambda v: v["decode"]["replicas"] == 1 and v["prefill"]["replicas"] == 1, 30)
     assert _complete(fleet, "after the fault", 4)["choices"][0]["text"] is not None
+    # The conversation's next turn: the replica that held it is gone and forgotten, so a miss
+    # (nothing cached, a remote prefill), and the same greedy text as one engine's.
+    messages += [{"role": "assistant", "content": text1}, {"role": "user", "content": "Shorter."}]
+    text2, rid = _chat(fleet, messages)
+    route = _route(fleet, rid)
+    assert all(c["cached_blocks"] == 0 for c in route["candidates"]), route
+    assert route["remote_prefill"] is True
+    assert text2 == _offline_chat(fleet.config.model, messages)
     v = _wait(fleet, lambda v: v["decode"]["metrics"].get("kv_cache_usage", 1) == 0
               and v["prefill"]["metrics"].get("kv_cache_usage", 1) == 0, 30)
     assert v["decode"]["metrics"]["running_requests"] == 0
@@ -276,7 +352,7 @@ def test_removed_node_replicas_come_back_elsewhere(fleet, cluster):
     and every worker on it are killed). Serve starts the replica again on the node left that
     carries the ``decode`` resource, within the policy's bounds, and requests succeed."""
     _wait(fleet, lambda v: v["decode"]["replicas"] == 1 and v["prefill"]["replicas"] == 1, 60)
-    spare = cluster.add_node(num_cpus=4, resources={"decode": 1})
+    spare = cluster.add_node(num_cpus=4, resources={"decode": 1}, **node_ports())
     doomed = [n for n in cluster.worker_nodes if n is not spare][0]
     deadline = time.monotonic() + 40          # a replica stopped by a scale-down may still drain
     while len(before := _replica_nodes(cluster, "decode")) != 1:

@@ -149,16 +149,16 @@ def test_the_deployed_config_carries_no_key():
     from minivllm.disagg.fleet_config import (APP, SECRETS, FleetConfig, app_config,
                                               fleet_keys)
     config = FleetConfig("m", "RedisStoreConnector", api_keys=["client-key-1"],
-                         backend_api_key="backend-key-2", secure=True, state_actor="fleet-state-x")
+                         secure=True, state_actor="fleet-state-x")
     app = app_config(config, T)
-    assert "client-key-1" not in json.dumps(app) and "backend-key-2" not in json.dumps(app)
+    assert "client-key-1" not in json.dumps(app)
     assert set(app["args"]["config"]) == set(asdict(config)) - set(SECRETS)
     assert app["args"]["targets"] == asdict(T) and app["name"] == APP
     assert app["autoscaling_policy"]["policy_kwargs"]["state_actor"] == "fleet-state-x"
-    assert fleet_keys(config) == {"api_keys": ["client-key-1"], "backend_api_key": "backend-key-2"}
+    assert fleet_keys(config) == {"api_keys": ["client-key-1"]}
     schema = pytest.importorskip("ray.serve.schema")     # pydantic only: no Ray starts
     deployed = schema.ServeDeploySchema(applications=[app]).model_dump_json()
-    assert "backend-key-2" not in deployed and "client-key-1" not in deployed
+    assert "client-key-1" not in deployed
     assert '"model":"m"' in deployed.replace(" ", "")
 
 
@@ -178,3 +178,87 @@ def test_a_running_serve_keeps_its_http_options():
         http_options("127.0.0.1", 8004, running)
     text = " ".join(_parser().format_help().split())
     assert "already runs" in text and "an error naming them" in text
+
+
+def test_fleet_lists_a_decision_only_when_a_count_or_a_wish_changes():
+    """Every tick goes to the ``metrics`` series; ``/fleet``'s decisions are the changes, with
+    times a person reads, and each role shows only its own metrics beside the replicas' events."""
+    from minivllm.disagg.autoscale import FleetAutoscalingPolicy
+    from minivllm.disagg.fleet_replicas import ROLE_METRICS, FleetState
+    state = FleetState({"prefill": [1, 2], "decode": [1, 2]})
+    policy = FleetAutoscalingPolicy(upscale_delay_s=1.0, downscale_delay_s=5.0)
+    series = [tick()] * 20 + [tick(queued=1500)] * 4 + [tick()] * 20
+    current = {"prefill": 1, "decode": 1}
+    for i, m in enumerate(series):
+        d = decide(m, current, policy.targets, policy.state, now=i * 0.5)
+        policy.state, current = d.state, {"prefill": d.num_prefill, "decode": d.num_decode}
+        metrics = {r: dict(m[r], kv_cache_usage=0.0, running_requests=0.0) for r in m}
+        state.record_decision({"time": 1.8e9 + i * 0.5, "prefill": d.num_prefill,
+                               "decode": d.num_decode, "running": {}, "metrics": metrics,
+                               "reason": d.reason,
+                               "wishes": {r: d.state.get(f"{r}_wish") for r in m}})
+    rec = state.records()
+    assert len(rec["metrics"]) == len(series)
+    # idle; the wish to grow; the growth; the wish to shrink; the shrink (after 5 s)
+    assert [(x["prefill"], "wants" in x["reason"]) for x in rec["decisions"]] == [
+        (1, False), (1, True), (2, False), (2, True), (1, False)]
+    assert rec["decisions"][0]["at"].startswith("2027-01-15 08:00:00.000")
+    state.register("decode", "r1")
+    state.register("decode", "r2")
+    state.deregister("decode", "r1")                      # it said it drains
+    state.deregister("decode", "r2", "left")              # the router saw it go, undrained
+    view = state.view()
+    assert [e["event"] for e in view["events"]] == ["serving", "serving", "draining", "lost"]
+    assert view["events"][-1]["at"] and view["decode"]["replicas"] == 0
+    for role in ("prefill", "decode"):
+        assert set(view[role]["metrics"]) <= set(ROLE_METRICS[role])
+    assert "waiting_prompt_tokens" not in view["decode"]["metrics"]
+    assert "running_requests" not in view["prefill"]["metrics"]
+
+
+def test_prompt_tokens_count_until_their_prefill_finished():
+    """A burst the default token budget schedules in one step still reads as queued while its
+    forward runs: ``num_computed_tokens`` already says done, no first token exists yet."""
+    from types import SimpleNamespace as R
+
+    from minivllm.disagg.fleet_replicas import prompt_tokens_not_prefilled
+    scheduled = [R(num_prompt_tokens=600, num_computed_tokens=600, num_cached_tokens=0,
+                   num_output_tokens=0) for _ in range(8)]
+    hit = R(num_prompt_tokens=600, num_computed_tokens=600, num_cached_tokens=512,
+            num_output_tokens=0)
+    waiting = R(num_prompt_tokens=300, num_computed_tokens=0, num_cached_tokens=-1,
+                num_output_tokens=0)
+    done = R(num_prompt_tokens=600, num_computed_tokens=601, num_cached_tokens=0,
+             num_output_tokens=1)
+    assert prompt_tokens_not_prefilled(scheduled + [hit, waiting, done]) == 8 * 600 + 88 + 300
+
+
+def test_the_fleet_starts_a_ray_of_its_own_and_never_changes_the_callers_config(monkeypatch):
+    """Without ``--address``: ``ray.init(address="local")``, never the cluster
+    ``/tmp/ray/ray_current_cluster`` names; with one, join it (no CPU count: Ray refuses one)."""
+    import dataclasses
+
+    import ray
+
+    from minivllm.disagg import fleet
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    config = fleet.FleetConfig(model="m", secure=True, kv_connector="SharedStorageConnector")
+    assert fleet._start_ray(None, FleetTargets(), config) is True
+    assert calls[-1]["address"] == "local" and calls[-1]["num_cpus"] >= 6
+    assert fleet._start_ray("auto", FleetTargets(), config) is False
+    assert calls[-1]["address"] == "auto" and "num_cpus" not in calls[-1]
+    before = dataclasses.asdict(config)
+    filled = fleet._with_fleet_defaults(config)
+    try:
+        assert dataclasses.asdict(config) == before
+        assert filled.state_actor and filled.shared_storage_path
+    finally:
+        import os
+        os.rmdir(filled.shared_storage_path)
+
+
+def test_the_ingress_admits_more_than_serves_default_of_five():
+    from minivllm.disagg import fleet_app
+    assert fleet_app.INGRESS_MAX_ONGOING_REQUESTS >= 64

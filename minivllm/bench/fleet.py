@@ -2,6 +2,8 @@
 autoscaled, on one workload whose mix changes: a burst of long prompts, then long generations,
 then idle. Every number comes from the client's streams and the fleet's own records.
 
+``--workload multiturn``: the request routers compared on multi-turn chats (fleet_multiturn.py).
+
 On a 2-core machine more replicas add no compute: this shows the mechanism and its costs (how
 long a new replica takes to serve after its load appears, how long a drain takes), not a speed-up.
 """
@@ -74,7 +76,7 @@ def run_once(args, bounds: tuple[int, int]) -> dict:
         rec = fleet.records()
     finally:
         fleet.stop()
-    ticks = [d for d in rec["decisions"] if t0 <= d["time"] <= t3]
+    ticks = [d for d in rec["metrics"] if t0 <= d["time"] <= t3]
     rs = {r: sum(a["running"][r] * (b["time"] - a["time"]) for a, b in zip(ticks, ticks[1:]))
           for r in ("prefill", "decode")}
     up = {}
@@ -105,12 +107,31 @@ def run_once(args, bounds: tuple[int, int]) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", required=True, help="a small model directory (CPU)")
+    ap.add_argument("--model", default=None,
+                    help="a small model directory (CPU); multiturn: default SmolLM2-135M-Instruct")
+    ap.add_argument("--workload", default="mix", choices=("mix", "multiturn"),
+                    help="mix: 1P+1D fixed against autoscaled on a changing mix; multiturn: "
+                         "the routers compared on multi-turn chats, 2P+2D fixed")
+    ap.add_argument("--routers", default="round_robin,serve,kv")
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--pd-min-uncached-tokens", type=int, default=64)
+    ap.add_argument("--save", default="figures/fleet_multiturn.json",
+                    help="multiturn: the table, per-turn series and one route, as JSON "
+                         "(notebook 06 draws its figure from it); empty: not saved")
     ap.add_argument("--phase-s", type=float, default=15.0, help="seconds per workload phase")
     ap.add_argument("--max", type=int, default=2, help="the autoscaled fleet's max per role")
     ap.add_argument("--prefill-target-queued-tokens", type=int, default=1000)
     ap.add_argument("--decode-target-running", type=int, default=3)
     args = ap.parse_args(argv)
+    if args.workload == "multiturn":
+        from minivllm.entrypoints.openai.api_server import DEFAULT_MODEL
+        from minivllm.bench.fleet_multiturn import main_multiturn
+        args.model = args.model or DEFAULT_MODEL
+        return main_multiturn(args)
+    if args.model is None:
+        ap.error("--model is required for --workload mix")
     rows = {"fixed 1P+1D": run_once(args, (1, 1)),
             f"autoscaled 1-{args.max}P, 1-{args.max}D": run_once(args, (args.max, args.max))}
     print(f"\nSLO: TTFT <= {SLO_TTFT_S} s and mean ITL <= {SLO_ITL_S} s. On this 2-core machine "

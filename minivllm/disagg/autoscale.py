@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 PREFILL_METRICS = ("waiting_prompt_tokens", "running_prefills", "ttft_recent_s")
@@ -158,7 +158,8 @@ class FleetAutoscalingPolicy:
         d = decide(metrics, target, self.targets, self.state)
         self.state = d.state
         self._report({"time": time.time(), "prefill": d.num_prefill, "decode": d.num_decode,
-                      "running": running, "metrics": metrics, "reason": d.reason})
+                      "running": running, "metrics": metrics, "reason": d.reason,
+                      "wishes": {r: d.state.get(f"{r}_wish") for r in ("prefill", "decode")}})
         return ({by_role["prefill"][0]: d.num_prefill, by_role["decode"][0]: d.num_decode}, {})
 
     def _report(self, record: dict) -> None:
@@ -172,6 +173,3 @@ class FleetAutoscalingPolicy:
         except Exception:                                 # noqa: BLE001  the fleet is stopping
             self._actor = None
 
-
-def targets_dict(t: FleetTargets) -> dict:
-    return asdict(t)

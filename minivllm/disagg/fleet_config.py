@@ -5,8 +5,7 @@ address its ingress gets.
 - ``app_config``: the one application of the ``ServeDeploySchema`` the fleet deploys (Ray Serve
   takes an application-level ``autoscaling_policy`` only from a config). Serve keeps that config in
   Ray's GCS and shows it to anyone who can read it (``serve config``, the dashboard), so the keys
-  (``SECRETS``: the clients' ``api_keys``, the ingress's ``backend_api_key`` for the replicas) are
-  left out of it: ``FleetState``, the fleet's named actor, holds them, and the ingress and every
+  (``SECRETS``: the clients' ``api_keys``) are left out of it: ``FleetState``, the fleet's named actor, holds them, and the ingress and every
   replica ask it when they start (as the replicas ask ``FleetStore`` for the store's password).
 - ``http_options``: Serve's HTTP proxy is the ingress, and Serve applies ``http_options`` only when
   it starts. On a cluster where Serve already runs, the fleet's ingress is on that Serve's host and
@@ -19,13 +18,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from minivllm.disagg.fleet_replicas import NAMESPACE
+from minivllm.disagg.fleet_replicas import APP_NAME as APP, NAMESPACE  # noqa: F401
 
-APP = "minivllm-fleet"
 CONNECTORS = ("ZmqPullConnector", "RedisStoreConnector", "SharedStorageConnector")
 POLICY = "minivllm.disagg.autoscale:FleetAutoscalingPolicy"
-IMPORT_PATH = "minivllm.disagg.fleet:fleet_app"
-SECRETS = ("api_keys", "backend_api_key")    # never in the deployed config (FleetState.keys)
+IMPORT_PATH = "minivllm.disagg.fleet_app:fleet_app"
+SECRETS = ("api_keys",)          # never in the deployed config (FleetState.keys)
+ROUTER_NAMES = ("kv", "round_robin", "serve")
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 
 
@@ -45,15 +44,19 @@ class FleetConfig:
     by_role: bool = True               # place replicas by the nodes' ``prefill``/``decode`` resource
     node_ip: bool = True               # bind the node's address (False: 127.0.0.1, one machine)
     api_keys: list = field(default_factory=list)       # the ingress's clients' keys
-    backend_api_key: Optional[str] = None              # the ingress's key for the replicas
-    secure: bool = False               # a random backend_api_key (unless given), a store password
+    secure: bool = False               # the fleet's own KV store gets a random password
     kv_store_url: Optional[str] = None  # a store the user runs; None: the fleet starts one
     kv_store_actor: str = ""           # the fleet's own store (the replicas ask it its password)
     shared_storage_path: Optional[str] = None
     kv_extra_config: dict = field(default_factory=dict)
     metrics_interval_s: float = 0.5
     look_back_period_s: float = 1.0
-    refresh_s: float = 0.25            # how stale the ingress's view of the replicas may be
+    router: str = "kv"                 # kv | round_robin | serve (kv_router.py)
+    # The decode replica computes the rest itself when it holds all but this many prompt tokens
+    # (decode is picked first). 64: about one chat turn's new message, a prefill chunk small
+    # enough not to stall the replica's running decodes for long, and far cheaper than a remote
+    # prefill's round trip and KV transfer. 0: every request is prefilled remotely.
+    pd_min_uncached_tokens: int = 64
     drain_timeout_s: float = 60.0      # a replica's drain at most (then Serve stops it anyway)
     state_actor: str = ""              # FleetState: membership, decisions, the keys
 
@@ -78,13 +81,17 @@ def check_config(config: FleetConfig) -> None:
     if config.kv_store_url and config.kv_connector != "RedisStoreConnector":
         raise FleetConfigError(
             f"--kv-store-url is RedisStoreConnector's, not {config.kv_connector}'s.")
+    if config.router not in ROUTER_NAMES:
+        raise FleetConfigError(f"router must be one of {ROUTER_NAMES}, got {config.router!r}.")
+    if config.pd_min_uncached_tokens < 0:
+        raise FleetConfigError("pd_min_uncached_tokens must be >= 0 (0: always a remote prefill).")
     if config.kv_store_url and not config.kv_store_url.startswith(URL_SCHEMES):
         raise FleetConfigError(f"--kv-store-url must start with one of {URL_SCHEMES}.")
 
 
 def fleet_keys(config: FleetConfig) -> dict:
     """What ``FleetState`` holds for the ingress and the replicas (``FleetState.keys``)."""
-    return {"api_keys": list(config.api_keys), "backend_api_key": config.backend_api_key}
+    return {"api_keys": list(config.api_keys)}
 
 
 def app_config(config: FleetConfig, targets: Any) -> dict:

@@ -189,6 +189,17 @@ class DisaggProxy:
             return Response(content, resp.status_code, media_type=media, headers=headers)
         return _error(f"no decode instance answered (tried {', '.join(tried)}).", 503)
 
+    async def models(self) -> Response:
+        """``GET /v1/models``: a decode instance's answer."""
+        await self.refresh()
+        for inst in self.decode.order():
+            try:
+                r = await self.client.get(inst.url + "/v1/models", timeout=5.0, headers=self.auth)
+                return Response(r.content, r.status_code, media_type="application/json")
+            except httpx.HTTPError:
+                continue
+        return _error("no decode instance answered.", 503)
+
     async def health(self) -> Response:
         async def ok(inst: Instance) -> bool:
             try:
@@ -240,15 +251,7 @@ def build_app(proxy: DisaggProxy, api_keys: tuple[str, ...] = (),
 
     @app.get("/v1/models")
     async def models():
-        await proxy.refresh()
-        for inst in proxy.decode.order():
-            try:
-                r = await proxy.client.get(inst.url + "/v1/models", timeout=5.0,
-                                           headers=proxy.auth)
-                return Response(r.content, r.status_code, media_type="application/json")
-            except httpx.HTTPError:
-                continue
-        return _error("no decode instance answered.", 503)
+        return await proxy.models()
 
     @app.get("/health", responses={
         200: {"description": "Every instance is healthy",

@@ -85,6 +85,7 @@ class LLM:
         async_scheduling: bool = False,
         logprobs_mode: str = "raw_logprobs",   # vLLM's; see minivllm/sample/ops/logprobs.py
         max_logprobs: int = 20,
+        kv_events_config: Optional[dict] = None,   # vLLM's KVEventsConfig (distributed/kv_events.py)
     ) -> None:
         _arm_breakpoints(break_at)   # an unknown id: ValueError, before any work
         # 1. The arguments, each checked by its config class: nothing is loaded yet.
@@ -100,6 +101,9 @@ class LLM:
         if kv_transfer_config is not None:
             from minivllm.distributed.kv_transfer.factory import validate_kv_transfer_config
             kv_transfer_config = validate_kv_transfer_config(kv_transfer_config)
+        if kv_events_config is not None:   # vLLM's KV events: checked now, on once built
+            from minivllm.core.kv_events_block_pool import KVEventsConfig, with_kv_events
+            kv_events_config = KVEventsConfig.from_any(kv_events_config)
 
         # 2. The checkpoint (GGUF conversion happens once), checked against the configs.
         from minivllm.model_executor.model_loader import load_hf_config, resolve_model_path
@@ -119,6 +123,8 @@ class LLM:
         # 3. Build the engine: load weights, allocate the KV cache.
         self.llm_engine = LLMEngine(self.vllm_config, _load_tokenizer(model_config, model_path),
                                     extra_eos_token_ids=_generation_eos_ids(model_path))
+        if kv_events_config is not None:
+            with_kv_events(self.llm_engine.engine_core, kv_events_config)
         self._request_counter = 0
 
     def get_tokenizer(self) -> Any:

@@ -77,7 +77,7 @@ def _require_vllm_venv():
 # one starts in ~6 s instead of ~26 s on two cores. Same scheduler, worker and outputs. Not f (its
 # call log pins the calls of the multi-process engine: in one process vLLM's busy loop makes other
 # calls, e.g. no has_pending_push_work), not g (`vllm serve` as a user runs it).
-IN_PROCESS_ENGINE = {"ai_float32.py", "b_ngram.py", "h_heads.py", "j_suffix.py"}
+IN_PROCESS_ENGINE = {"ai_float32.py", "b_ngram.py", "h_heads.py", "j_suffix.py", "k_kv_events.py"}
 
 
 # Scripts that run while the test computes minivllm's side (``vllm_side.start``): vLLM's worker

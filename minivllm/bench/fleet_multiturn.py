@@ -1,0 +1,209 @@
+"""``python -m minivllm.bench fleet --workload multiturn``: the fleet's request routers
+(``round_robin``, ``serve``, ``kv``) compared on multi-turn chats with fixed replica counts (2
+prefill + 2 decode), so that only routing differs: prompt tokens computed, prefix-cache hit rate
+against one engine with a cache big enough for everything, remote prefills skipped, TTFT, failures,
+and whether greedy outputs agree. Every number comes from the client's streams (their usage) and
+the fleet's own records (``routes``). ``--save`` writes what notebook 06 draws.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+
+TOPICS = ["a lighthouse keeper", "a baker in a mountain village", "a ship's cat", "a young "
+          "astronomer", "an old clockmaker", "a river ferryman", "a beekeeper", "a train driver",
+          "a lost robot", "a street musician", "a fox in winter", "a librarian at night",
+          "a fisherman's daughter", "a desert caravan", "a snow-covered inn", "a kite maker"]
+FOLLOW_UPS = ["What happens next?", "Describe the place in more detail.", "Who else is there?",
+              "How does it end?", "Tell me one surprising thing about it."]
+
+
+def _conversation_turn(url: str, model: str, messages: list, max_tokens: int) -> dict:
+    """One chat turn, streamed: the reply, TTFT, the decode replica's usage, the request id."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0, ttft, text, usage, ok, rid = time.perf_counter(), None, "", None, False, None
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+            ok, rid = r.status_code == 200, r.headers.get("X-Request-Id")
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    ok = False
+                for c in chunk.get("choices") or []:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text += c.get("delta", {}).get("content") or ""
+                usage = chunk.get("usage") or usage
+    except httpx.HTTPError:
+        ok = False
+    return {"ok": ok and usage is not None, "ttft": ttft, "text": text, "usage": usage,
+            "request_id": rid}
+
+
+def run_multiturn(args, router: str) -> dict:
+    """16 conversations x 6 turns (each turn's prompt: the conversation so far plus a new
+    message), all conversations at once, on a fleet fixed at 2 prefill + 2 decode replicas."""
+    from minivllm.disagg.autoscale import FleetTargets
+    from minivllm.disagg.fleet import FleetConfig, start_fleet
+    config = FleetConfig(model=args.model, replica_num_cpus=0.5, node_ip=False, router=router,
+                         pd_min_uncached_tokens=args.pd_min_uncached_tokens,
+                         server_args=["--max-model-len", "2048"])
+    t_start = time.perf_counter()
+    fleet = start_fleet(config, FleetTargets(2, 2, 2, 2))
+    startup_s = time.perf_counter() - t_start
+    turns: dict = {}
+    try:
+        def conversation(c: int) -> None:
+            messages = [{"role": "user", "content": f"Tell me a story about {TOPICS[c]}. "
+                         f"Start with {TOPICS[c]} waking up early on a cold morning."}]
+            for t in range(args.turns):
+                out = _conversation_turn(fleet.url, args.model, messages, args.max_tokens)
+                turns[(c, t)] = out
+                if not out["ok"]:
+                    return
+                messages = messages + [{"role": "assistant", "content": out["text"]},
+                                       {"role": "user", "content": FOLLOW_UPS[t % 5]}]
+        threads = [threading.Thread(target=conversation, args=(c,))
+                   for c in range(args.conversations)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        time.sleep(1.0)
+        routes = {r["request_id"]: r for r in fleet.records()["routes"]}
+    finally:
+        fleet.stop()
+    return {"turns": turns, "routes": routes, "startup_s": startup_s}
+
+
+def multiturn_counts(run: dict) -> dict:
+    """Per request and summed: prompt tokens, tokens a forward computed (neither a prefix-cache
+    hit nor loaded through the connector), prefix-cache hits, remote prefills skipped."""
+    rows = []
+    for (c, t), out in sorted(run["turns"].items()):
+        route = run["routes"].get(out["request_id"]) or {}
+        usage = out["usage"] or {}
+        prompt = usage.get("prompt_tokens", 0)
+        cached_d = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        prefill = (route.get("prefill") or {}).get("usage") if route.get("remote_prefill") else None
+        if prefill:     # P computed what its cache missed; D loaded the rest through the connector
+            cached_p = (prefill.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            computed, hit = (prompt - cached_p) + (prompt - cached_d), cached_p
+        else:           # D computed the prompt itself, less its own prefix-cache hit
+            computed, hit = prompt - cached_d, cached_d
+        rows.append({"conversation": c, "turn": t, "prompt": prompt, "computed": computed,
+                     "hit": hit, "remote": bool(route.get("remote_prefill")),
+                     "ttft": out["ttft"], "ok": out["ok"], "text": out["text"]})
+    return {"rows": rows}
+
+
+def ideal_hits(args, runs: dict) -> tuple[int, int]:
+    """One engine with a cache big enough for everything, fed the same prompts in the same turn
+    order (turn 1 of every conversation, then turn 2, ...): its prefix-cache hits and the
+    prompt tokens, from its own ``num_cached_tokens``."""
+    from minivllm import LLM, SamplingParams
+    from minivllm.model_executor.model_loader import load_tokenizer, resolve_model_path
+    tok = load_tokenizer(resolve_model_path(args.model))
+    first = next(iter(runs.values()))["turns"]
+    llm = LLM(model=args.model, max_model_len=2048)
+    hits = total = 0
+    for t in range(args.turns):
+        prompts = []
+        for c in range(args.conversations):
+            messages = [{"role": "user", "content": f"Tell me a story about {TOPICS[c]}. "
+                         f"Start with {TOPICS[c]} waking up early on a cold morning."}]
+            for k in range(t):
+                messages += [{"role": "assistant", "content": first[(c, k)]["text"]},
+                             {"role": "user", "content": FOLLOW_UPS[k % 5]}]
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            prompts.append({"prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        for out in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1),
+                                use_tqdm=False):
+            hits += out.num_cached_tokens
+            total += len(out.prompt_token_ids)
+    return hits, total
+
+
+def _own_ray() -> object:
+    """One Ray node for every router's run (a start costs about 30 s here), with fixed agent
+    ports and no dashboard (another Ray on the machine may hold its port). Returns the
+    ``Cluster`` (``shutdown()`` at the end)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from minivllm.disagg.launch import free_port
+    ports = {k: free_port("127.0.0.1") for k in ("metrics_agent_port", "metrics_export_port",
+                                                 "dashboard_agent_listen_port",
+                                                 "runtime_env_agent_port")}
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 4, "include_dashboard": False, **ports})
+    ray.init(address=cluster.address, log_to_driver=False)
+    return cluster
+
+
+def main_multiturn(args) -> None:
+    import ray
+    routers = args.routers.split(",")
+    cluster = _own_ray()
+    try:
+        runs = {r: run_multiturn(args, r) for r in routers}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    counts = {r: multiturn_counts(run) for r, run in runs.items()}
+    ideal_hit, ideal_total = ideal_hits(args, runs)
+    ideal = ideal_hit / max(1, ideal_total)
+    texts = {r: [row["text"] for row in c["rows"]] for r, c in counts.items()}
+    same = all(t == texts[routers[0]] for t in texts.values())
+
+    def pct(xs, q):
+        xs = sorted(x for x in xs if x is not None)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+    print(f"\n{args.conversations} conversations x {args.turns} turns, greedy, {args.max_tokens} "
+          f"tokens a turn; 2 prefill + 2 decode replicas; --pd-min-uncached-tokens "
+          f"{args.pd_min_uncached_tokens}. Ideal: one engine with a cache big enough for "
+          f"everything, hit rate {ideal:.1%}. Greedy outputs identical across routers: {same}.")
+    print("| router | requests (failed) | prompt tokens | prompt tokens computed | hit rate "
+          "(ideal - it) | remote prefills skipped | TTFT p50 / p99 s | start-up s |")
+    print("|---|---|---|---|---|---|---|---|")
+    table = {}
+    for r in routers:
+        rows = counts[r]["rows"]
+        prompt, computed = sum(x["prompt"] for x in rows), sum(x["computed"] for x in rows)
+        hit = sum(x["hit"] for x in rows) / max(1, prompt)
+        skipped = sum(not x["remote"] for x in rows)
+        failed = sum(not x["ok"] for x in rows) + args.conversations * args.turns - len(rows)
+        ttft = [x["ttft"] for x in rows]
+        table[r] = {"requests": len(rows), "failed": failed, "prompt_tokens": prompt,
+                    "computed": computed, "hit_rate": hit, "ideal_hit_rate": ideal,
+                    "skipped": skipped, "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
+                    "startup_s": runs[r]["startup_s"],
+                    "hit_rate_per_turn": [sum(x["hit"] for x in rows if x["turn"] == t) / max(
+                        1, sum(x["prompt"] for x in rows if x["turn"] == t))
+                        for t in range(args.turns)],
+                    "computed_per_turn": [sum(x["computed"] for x in rows if x["turn"] == t)
+                                          for t in range(args.turns)]}
+        print(f"| {r} | {len(rows)} ({failed}) | {prompt} | {computed} | {hit:.1%} "
+              f"({(ideal - hit) * 100:+.1f} pts) | {skipped} | {table[r]['ttft_p50']:.2f} / "
+              f"{table[r]['ttft_p99']:.2f} | {runs[r]['startup_s']:.0f} |")
+    # One request of the kv run whose decode pick held part of its prompt: the score's inputs,
+    # for the lesson (notebook 06, "Why route by KV").
+    kv_routes = list(runs.get("kv", {}).get("routes", {}).values())
+    example = next((r for r in sorted(kv_routes, key=lambda r: r["time"])
+                    if len(r["candidates"]) > 1 and any(c["cached_blocks"] for c in r["candidates"])),
+                   None)
+    result = {"table": table, "identical": same, "ideal_hit_rate": ideal,
+              "example_route": example, "command": "python -m minivllm.bench fleet "
+              f"--workload multiturn --conversations {args.conversations} --turns {args.turns} "
+              f"--max-tokens {args.max_tokens} --pd-min-uncached-tokens "
+              f"{args.pd_min_uncached_tokens} --routers {args.routers}"}
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(result, f, indent=1)
+    print("BENCH_FLEET_MULTITURN " + json.dumps(result))

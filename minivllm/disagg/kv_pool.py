@@ -1,0 +1,96 @@
+"""One pool of engine replicas (prefill or decode) as the ingress's process sees it, shared by the
+ingress (which picks) and the pool's request router (kv_router.py, which keeps it current).
+
+``PoolView``: the pool's replicas (Serve's ``RunningReplica``, kept current by the router's
+``update_replicas``), a ``KVIndex`` (kv_index.py) fed by each replica's KV events (a
+``KVEventSubscriber`` per replica, its endpoints read from the replica's routing stats), and the
+load each last reported. A replica that leaves is forgotten, and ``on_left`` tells the fleet's
+state (``FleetState.deregister``: "lost" unless it was draining).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+from minivllm.disagg.kv_index import Candidate, KVIndex, pick, prompt_block_hashes
+from minivllm.distributed.kv_events import KVEventSubscriber
+
+ROUTING_KWARG = "routing"        # the call's keyword argument the routers read
+DEFAULT_BLOCK_SIZE = 16          # the engines' default, until a replica reports its own
+
+_POOLS: dict[str, "PoolView"] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def pool_view(name: str) -> "PoolView":
+    """This process's view of the pool ``name`` (made on first use: the router, or the ingress
+    asking before any request, whichever comes first)."""
+    with _POOLS_LOCK:
+        if name not in _POOLS:
+            _POOLS[name] = PoolView(name)
+        return _POOLS[name]
+
+
+class PoolView:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.index = KVIndex()
+        self.replicas: dict[str, Any] = {}     # replica id -> Serve's RunningReplica
+        self.subscribers: dict[str, KVEventSubscriber] = {}
+        self.on_left: Optional[Callable[[str], None]] = None     # the ingress tells FleetState
+        self._lock = threading.Lock()          # the router's loop and the ingress's both use it
+
+    def update(self, replicas: list) -> None:
+        """Serve's current replicas of this pool; those gone are forgotten."""
+        with self._lock:
+            now = {r.replica_id.unique_id: r for r in replicas}
+            left = [uid for uid in self.replicas if uid not in now]
+            for uid in left:
+                self.index.forget(uid)
+                sub = self.subscribers.pop(uid, None)
+                if sub is not None:
+                    sub.close()
+            self.replicas = now
+        for uid in left:
+            if self.on_left is not None:
+                self.on_left(uid)
+
+    def _read_events(self) -> None:
+        """Subscribe to replicas that now report their events' endpoints; apply what arrived."""
+        for uid, replica in self.replicas.items():
+            stats = replica.routing_stats or {}
+            if uid not in self.subscribers and stats.get("kv_events_endpoint"):
+                sub = KVEventSubscriber(stats["kv_events_endpoint"],
+                                        stats.get("kv_events_replay_endpoint"))
+                for _, batch in sub.catch_up():        # what it published before we joined
+                    self.index.apply(uid, batch.events)
+                self.subscribers[uid] = sub
+        for uid, sub in self.subscribers.items():
+            for _, batch in sub.poll(0.0):
+                self.index.apply(uid, batch.events)
+
+    def block_size(self) -> int:
+        for r in self.replicas.values():
+            if (r.routing_stats or {}).get("block_size"):
+                return int(r.routing_stats["block_size"])
+        return DEFAULT_BLOCK_SIZE
+
+    def choose(self, token_ids: list, ongoing: Optional[dict] = None) -> tuple[Any, dict]:
+        """The replica for a prompt: ``(replica id or None, the route: each candidate's cached
+        blocks and score, the prompt's blocks)``. ``ongoing``: requests in flight per replica."""
+        with self._lock:
+            self._read_events()
+            block_size = self.block_size()
+            hashes = prompt_block_hashes(token_ids, block_size)
+            candidates = [Candidate(uid, self.index.prefix_blocks(uid, hashes),
+                                    int((r.routing_stats or {}).get("num_blocks_in_use", 0)),
+                                    (ongoing or {}).get(uid, 0))
+                          for uid, r in sorted(self.replicas.items())]
+        best = pick(candidates, len(hashes))
+        route = {"pool": self.name, "prompt_blocks": len(hashes), "block_size": block_size,
+                 "candidates": [{"replica": c.replica, "cached_blocks": c.cached_blocks,
+                                 "blocks_in_use": c.blocks_in_use, "score": c.score}
+                                for c in candidates],
+                 "pick": best.replica if best else None,
+                 "cached_blocks": best.cached_blocks if best else 0}
+        return (best.replica if best else None), route

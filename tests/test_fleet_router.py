@@ -1,0 +1,164 @@
+"""The fleet's KV-aware routing without a cluster (disagg/kv_index.py, disagg/kv_pool.PoolView):
+the index on recorded event streams (an engine's own, and hand-made ones with lost, late and
+out-of-order events), its LRU bound, a replica cleared, Dynamo's score, the pick and its fallback,
+the P/D decision."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("msgspec")
+
+from minivllm.disagg.kv_index import (Candidate, KVIndex, needs_remote_prefill,  # noqa: E402
+                                      pick, prompt_block_hashes, score)
+from minivllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved,  # noqa: E402
+                                            BlockStored)
+
+BS = 4
+
+
+def stored(hashes, parent=None):
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=parent,
+                       token_ids=[0] * BS * len(hashes), block_size=BS, lora_id=None,
+                       medium="GPU", lora_name=None)
+
+
+def removed(hashes):
+    return BlockRemoved(block_hashes=list(hashes), medium="GPU")
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny_llama_dir):
+    """One turn of a conversation served by a real engine, its KV events recorded: the stream a
+    replica would publish."""
+    from conftest import tiny_llm
+
+    from minivllm import SamplingParams
+    from minivllm.distributed.kv_events import KVEventSubscriber
+    llm = tiny_llm(tiny_llama_dir, kv_events_config={"enable_kv_cache_events": True,
+                                                     "endpoint": "tcp://127.0.0.1:0"})
+    publisher = llm.llm_engine.engine_core.scheduler.kv_event_publisher
+    sub = KVEventSubscriber(publisher.endpoint)
+    time.sleep(0.3)
+    turn1 = [1 + (i * 7) % 90 for i in range(22)]
+    out = llm.generate([{"prompt_token_ids": turn1}],
+                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    batches = []
+    deadline = time.monotonic() + 10
+    while not batches or sub.poll(0.3):
+        batches += sub.poll(0.3)
+        if time.monotonic() > deadline:
+            break
+    sub.close()
+    publisher.shutdown()
+    return turn1, list(out), [b for _, b in batches]
+
+
+def test_the_index_knows_what_an_engine_holds_and_a_second_turn_goes_there(recorded):
+    turn1, reply, batches = recorded
+    index = KVIndex()
+    for b in batches:
+        index.apply("r1", b.events)
+    turn2 = turn1 + reply + [5, 6, 7, 8, 9, 10, 11]
+    hashes = prompt_block_hashes(turn2, BS)
+    # the first turn's prompt and the reply tokens the engine cached (all but the last, whose
+    # KV was never computed), in full blocks
+    held = (len(turn1) + len(reply) - 1) // BS
+    assert index.prefix_blocks("r1", hashes) == held
+    cands = [Candidate("r0", index.prefix_blocks("r0", hashes), 0),
+             Candidate("r1", index.prefix_blocks("r1", hashes), 0)]
+    assert pick(cands, len(hashes)).replica == "r1"
+    assert [c.score for c in cands] == [len(hashes), len(hashes) - held]
+
+
+def test_lru_bound_per_replica_and_a_replica_cleared():
+    index = KVIndex(max_blocks_per_replica=3)
+    index.apply("r1", [stored([b"a", b"b", b"c"])])
+    assert index.prefix_blocks("r1", [b"a"]) == 1          # a is now the most recently used
+    index.apply("r1", [stored([b"d", b"e"])])              # b, c leave first
+    assert set(index.blocks["r1"]) == {b"a", b"d", b"e"} and b"b" not in index.holders
+    index.apply("r2", [stored([b"a"])])
+    index.forget("r1")                                     # left or restarted
+    assert index.holders == {b"a": {"r2"}} and index.num_blocks("r1") == 0
+    index.apply("r2", [AllBlocksCleared()])
+    assert index.holders == {} and index.num_blocks("r2") == 0
+
+
+def test_lost_late_and_out_of_order_events_cost_a_miss_not_an_error():
+    """Only consecutive blocks from the start count; a removal that comes late (or twice, or for a
+    block never stored) is harmless; an event lost makes the index wrong, never the pick invalid."""
+    index = KVIndex()
+    index.apply("r1", [stored([b"a"]), stored([b"c"], parent=b"b")])   # b's event was lost
+    assert index.prefix_blocks("r1", [b"a", b"b", b"c"]) == 1
+    index.apply("r1", [removed([b"zz"]), removed([b"a"]), removed([b"a"])])
+    assert index.prefix_blocks("r1", [b"a", b"b", b"c"]) == 0
+    index.apply("r2", [removed([b"x"]), stored([b"x"])])   # out of order: x looks held (stale)
+    best = pick([Candidate("r1", 0, 0), Candidate("r2", index.prefix_blocks("r2", [b"x"]), 0)], 1)
+    assert best.replica == "r2"               # a stale hint: at worst the engine recomputes x
+
+
+def test_score_is_dynamos_and_ties_or_an_empty_index_go_to_the_least_loaded():
+    assert score(10, 4, 7) == 6 + 7 and score(10, 4, 7, weight=2.0) == 12 + 7
+    # 10 prompt blocks: r1 holds 8 but carries 30 blocks of decodes, r2 holds none and 5
+    assert pick([Candidate("r1", 8, 30), Candidate("r2", 0, 5)], 10).replica == "r2"
+    assert pick([Candidate("r1", 8, 3), Candidate("r2", 0, 5)], 10).replica == "r1"
+    # empty index, equal scores: the fewest in flight, then the fewest blocks in use
+    assert pick([Candidate("r1", 0, 0, 3), Candidate("r2", 0, 0, 1)], 4).replica == "r2"
+    assert pick([], 4) is None
+
+
+def test_a_remote_prefill_only_where_the_decode_replica_lacks_enough():
+    assert needs_remote_prefill(100, 0, 16, 64)               # 100 uncached > 64
+    assert not needs_remote_prefill(100, 4, 16, 64)           # 36 uncached: decode computes it
+    assert needs_remote_prefill(100, 6, 16, 0)                # 0: always remote
+
+
+def test_the_pool_subscribes_to_each_replicas_events_and_forgets_one_that_leaves():
+    """``PoolView`` as the router keeps it: replicas (Serve's ``RunningReplica``: an id and its
+    routing stats) with real publishers; one replica leaves and is forgotten and reported."""
+    pytest.importorskip("ray.serve")
+    from minivllm.disagg.kv_pool import PoolView
+    from minivllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+    pubs = {uid: ZmqEventPublisher(endpoint="tcp://127.0.0.1:0",
+                                   replay_endpoint="tcp://127.0.0.1:0") for uid in ("r1", "r2")}
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid), routing_stats={
+        "kv_events_endpoint": p.endpoint, "kv_events_replay_endpoint": p.replay_endpoint,
+        "block_size": BS, "num_blocks_in_use": 2}) for uid, p in pubs.items()]
+    pool, left = PoolView("decode"), []
+    pool.on_left = left.append
+    try:
+        pool.update(replicas)
+        prompt = list(range(1, 14))
+        assert pool.choose(prompt)[1]["candidates"][0]["cached_blocks"] == 0   # subscribes
+        hashes = prompt_block_hashes(prompt, BS)
+        # published before the first poll reached it? the replay fills the gap
+        pubs["r2"].publish(KVEventBatch(ts=0.0, events=[stored(hashes[:2])]))
+        pubs["r2"].publish(KVEventBatch(ts=1.0, events=[stored(hashes[2:], parent=hashes[1])]))
+        deadline = time.monotonic() + 10
+        while True:
+            best, route = pool.choose(prompt, {"r1": 0, "r2": 0})
+            if best == "r2" or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert best == "r2" and route["cached_blocks"] == 3 and route["prompt_blocks"] == 3
+        assert {c["replica"]: c["score"] for c in route["candidates"]} == {"r1": 5.0, "r2": 2.0}
+        pool.update(replicas[:1])                        # r2 left (killed, or scaled down)
+        assert left == ["r2"] and pool.index.num_blocks("r2") == 0
+        assert pool.choose(prompt)[0] == "r1"
+    finally:
+        pool.update([])
+        for p in pubs.values():
+            p.shutdown()
+
+
+def test_the_fleet_figure_is_drawn_from_the_codes_own_names(tmp_path):
+    """figures/fleet_routing.png: every label is read from the object it names."""
+    pytest.importorskip("matplotlib")
+    from minivllm.disagg import fleet_figure
+    labels = fleet_figure.names()
+    assert labels["score"] == score.__name__ and labels["ingress"] == "HandleProxy"
+    assert (tmp_path / "f.png").exists() is False
+    assert fleet_figure.draw(str(tmp_path / "f.png")) and (tmp_path / "f.png").stat().st_size > 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Optional, Union
 
 from minivllm.utils import differs_from_defaults
@@ -125,13 +126,16 @@ class SamplingParams:
     def bad_words_token_ids(self) -> Optional[list[list[int]]]:
         return self._bad_words_token_ids
 
-    @property
+    # The three below are read at every step the request runs (SamplingMetadata.from_params);
+    # cached on first read, as vLLM caches ``sampling_type``: the fields they read are fixed once
+    # the engine has the request (bad words tokenised in ``verify_for_model``).
+    @cached_property
     def no_penalties(self) -> bool:
         return (abs(self.presence_penalty) < _SAMPLING_EPS
                 and abs(self.frequency_penalty) < _SAMPLING_EPS
                 and abs(self.repetition_penalty - 1.0) < _SAMPLING_EPS)
 
-    @property
+    @cached_property
     def needs_processor_fields(self) -> bool:
         """Whether ``SamplingMetadata`` needs this request's penalties, ``min_p``, logit bias,
         allowed ids, bad words, ``min_tokens`` or logprobs (sample/processor_fields.py)."""
@@ -146,6 +150,6 @@ class SamplingParams:
         eos = set() if self._eos_token_id is None else {self._eos_token_id}
         return self._all_stop_token_ids | eos
 
-    @property
+    @cached_property
     def sampling_type_greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS

@@ -71,12 +71,12 @@ STEPS: tuple[Step, ...] = (
          "type(self.connector).__name__, self.connector.role"),
     Step("pd.lookup", "Cache lookup: after the local prefix-cache check, get_num_new_matched_tokens "
          "counts externally cached tokens (prefill: always 0; decode: maybe a hit).",
-         "WaitingMixin._get_computed_tokens", "core/sched/waiting.py",
+         "Scheduler._get_computed_tokens", "core/sched/scheduler.py",
          "request.request_id, len(request.prompt_token_ids), self.block_size, "
          "num_new_local_computed_tokens, num_external_computed_tokens, load_kv_async"),
     Step("pd.update_state", "State update: update_state_after_alloc records the requests that had "
          "an external hit (no-op for prefill).",
-         "WaitingMixin._allocate_and_update_state", "core/sched/waiting.py",
+         "Scheduler._allocate_and_update_state", "core/sched/scheduler.py",
          "request.request_id, new_blocks.get_block_ids(), num_external_computed_tokens"),
     Step("pd.build_meta", "Build metadata: meta = build_connector_meta(); prefill adds requests with "
          "is_store=True, decode with is_store=False.",

@@ -44,7 +44,7 @@ STOPS: dict[str, tuple[str, Optional[str]]] = {
     "spec.1.forward": ("with self.maybe_get_kv_connector_output(so) as kv_connector_output:",
                        "so.scheduled_new_reqs"),
     "spec.1": ("self.execute_model_state = ExecuteModelState(", "so.scheduled_new_reqs"),
-    "spec.2": ('trace.record("spec_propose"', "any(drafts.values())"),
+    "spec.2": ("self.target_step_outputs = None", "any(drafts.values())"),
     "spec.3": ("request.spec_token_ids = list(drafts)", "drafts"),
     "spec.4": ("if new_blocks is None:", "request.spec_token_ids"),
     "spec.5": ("batch.spec_token_ids[req_id] = list(drafts)", "drafts"),

@@ -89,10 +89,11 @@ def test_reference_backend_is_the_article_rule_in_the_batch():
     most 4 calls from ``forward`` and samples what the race samples."""
     import inspect
     from minivllm.sample import rejection_reference, rejection_sampler
-    greedy_sample, random_sample = rejection_sampler._kernels("reference")
-    assert random_sample is rejection_reference.rejection_random_sample_reference
+    random_sample = rejection_reference.rejection_random_sample_reference
     chain = [(rejection_sampler.RejectionSampler.forward, "rejection_sample("),
-             (rejection_sampler.rejection_sample, "random_sample("),
+             (rejection_sampler.rejection_sample,
+              'if backend == "reference":   # the article\'s rule, one request at a time\n'
+              '        rejection_reference.rejection_random_sample_reference('),
              (random_sample, "accept_or_recover(")]
     assert all(call in inspect.getsource(f) for f, call in chain)
     gen = torch.Generator().manual_seed(3)

@@ -13,6 +13,7 @@ A step that schedules nothing while requests wait asks no_room.py whether the KV
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable, Optional
 
 from minivllm import trace
@@ -51,7 +52,8 @@ class EngineCore:
         # seen yet or whose blocks a transfer still holds, so they are freed without new work.
         if not self.scheduler.has_requests():
             return []
-        with self.tracer.step(self.step_index):
+        # Recording is a flag read here: a run that records nothing never enters trace.py.
+        with self.tracer.step(self.step_index) if self.tracer.enabled else nullcontext():
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.total_num_scheduled_tokens == 0 and self.scheduler.waiting:
                 from minivllm.engine.no_room import check_room   # a cache too small? no_room.py
@@ -61,7 +63,7 @@ class EngineCore:
                 model_output = self.worker.sample_tokens()
             outputs = self.scheduler.update_from_output(scheduler_output, model_output)
             self.post_step()
-            if trace.is_recording() and self.scheduler.num_spec_tokens:
+            if trace.active and trace.is_recording() and self.scheduler.num_spec_tokens:
                 # What the next schedule() reads: drafts (default) or -1 placeholders (async).
                 trace.record("spec_token_ids", spec_token_ids={
                     r.request_id: list(r.spec_token_ids) for r in self.scheduler.running})

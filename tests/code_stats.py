@@ -89,6 +89,76 @@ def file_code_lines(path: str) -> int:
     return len(code)
 
 
+def import_graph(root: str = os.path.join(ROOT, "minivllm")) -> dict[str, set[str]]:
+    """{module: the package's modules it imports}, counting every import: at the top, inside
+    functions and under ``TYPE_CHECKING``. ``from a.b import c`` counts ``a.b.c`` when it is a
+    module, else ``a.b``."""
+    base = os.path.dirname(root)
+    mods = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                name = os.path.relpath(path, base)[:-3].replace(os.sep, ".")
+                mods[name.removesuffix(".__init__")] = path
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        with open(path) as fh:
+            tree = ast.parse(fh.read())
+        package = mod.split(".") if path.endswith("__init__.py") else mod.split(".")[:-1]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                graph[mod].update(a.name for a in node.names if a.name in mods)
+            elif isinstance(node, ast.ImportFrom):
+                parent = node.module or ""
+                if node.level:
+                    parent = ".".join(package[:len(package) - node.level + 1] + ([parent] if parent else []))
+                for a in node.names:
+                    sub = f"{parent}.{a.name}"
+                    if sub in mods:
+                        graph[mod].add(sub)
+                    elif parent in mods:
+                        graph[mod].add(parent)
+    return graph
+
+
+def import_circles(graph: "dict[str, set[str]] | None" = None) -> list[list[str]]:
+    """The groups of modules that import one another in a circle (strongly connected, more than
+    one module), each sorted; counting every import (``import_graph``)."""
+    graph = import_graph() if graph is None else graph
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:   # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(circles)
+
+
 # The two walks, each on the plain path (the eager attention, plain F.linear, the article's
 # rejection rule), run in a fresh process so that nothing else has been imported or cached:
 # - "verify": one ``LLMEngine.step()`` whose running request carries n-gram drafts (the steps

@@ -2,8 +2,8 @@
 
 ``add_request()`` / ``step()`` / ``has_unfinished_requests()`` let a notebook or a debugger drive the
 engine one step at a time; ``LLM.generate()`` is a loop over exactly these calls.
-Beside it, read only when needed: prompts.py (a text prompt, a refused one), abort.py
-(``abort_request``), parallel_sampling.py (``n > 1``), logprobs.py (a request asking for them),
+Beside it, read only when needed: prompts.py (a text prompt, a refused one),
+parallel_sampling.py (``n > 1``), logprobs.py (a request asking for them),
 core/sched/stop_strings.py (stop strings).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Optional, TYPE_CHECKING, Union
 from minivllm.config import VllmConfig
 from minivllm.engine.core import EngineCore
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.request import Request
+from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:   # loaded when a request asks for logprobs or n > 1
@@ -111,9 +111,16 @@ class LLMEngine:
                                 self.vllm_config.model_config.max_logprobs)
 
     def abort_request(self, request_ids: list[str]) -> None:
-        """Finish the requests as aborted (a parent's id aborts its children): abort.py."""
-        from minivllm.engine.abort import abort_requests
-        abort_requests(self, request_ids)
+        """vLLM's ``abort_request``: finish the requests as ``FINISHED_ABORTED`` (the scheduler's
+        ``finish_requests``) and forget them; a parent's id (``n > 1``) aborts its children."""
+        request_ids = [c for r in request_ids for c in (
+            [c for c, p in self._parents.items() if p.request_id == r] or [r])]
+        for request_id in request_ids:
+            self._parents.pop(request_id, None)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for request_id in request_ids:
+            self._requests.pop(request_id, None)
+            self._logprobs.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         """Requests a caller still waits for (``LLM.generate`` loops on this, as vLLM's loops on

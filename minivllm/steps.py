@@ -179,7 +179,7 @@ def configure(break_at: "str | Iterable[str] | None" = None) -> tuple[str, ...]:
     global _requested
     source = break_at if break_at is not None else os.environ.get("MINIVLLM_BREAK")
     _requested = parse(source)
-    disarm()
+    _restore()
     from minivllm.step_table import REGISTRY
     by_function: dict[Any, list[tuple[Any, str]]] = {}
     witnesses = tuple(w for i in _requested for w in REGISTRY[i].needs)
@@ -195,7 +195,13 @@ def configure(break_at: "str | Iterable[str] | None" = None) -> tuple[str, ...]:
 
 
 def disarm() -> None:
-    """Every function back to its own code; no id armed."""
+    """Every function back to its own code; no id armed, and none of those asked so far named at
+    exit (whoever disarms, a tour or a test, has had its stops)."""
+    _restore()
+    _asked.clear()
+
+
+def _restore() -> None:
     BREAKS.clear()
     for func, code in _original.items():
         func.__code__ = code

@@ -215,3 +215,14 @@ def test_every_step_is_one_row():
     for step in steps.STEPS:
         assert step.anchor and step.when, step.id
         assert all(n in steps.REGISTRY and steps.REGISTRY[n].never_means for n in step.needs), step.id
+
+
+def test_disarm_forgets_the_asked_ids(monkeypatch):
+    """What a tour or a test armed and then disarmed is not named at exit."""
+    monkeypatch.setenv("MINIVLLM_BREAK", "pd.async_wait")
+    steps.configure()
+    assert steps.never_fired() == [
+        "minivllm: the requested step pd.async_wait never stopped: the engine has no "
+        "kv_transfer_config."]
+    steps.disarm()
+    assert steps.never_fired() == [] and steps.BREAKS == {}

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from minivllm.utils import differs_from_defaults
+from minivllm.kv_transfer_options import check_kv_transfer_options
+from minivllm.speculative_options import check_draft_num_layers, check_drafter_options
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "suffix")
 # Methods whose drafter is a trained head over the target's hidden states (DESIGN 5.1).
@@ -154,12 +155,9 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= "
                                  f"prompt_lookup_max ({hi}).")
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
-        if differs_from_defaults(self, ("method", "ngram_match", "draft_sample_method")):
-            # The options the article's n-gram example leaves at their defaults, and those of the
-            # methods that came after it, are checked beside this class, in a module loaded only
-            # when one of them is asked for.
-            from minivllm.speculative_options import check_drafter_options
-            check_drafter_options(self)
+        # The options of the methods that came after the article's n-gram, checked on every
+        # construction, whatever the other fields are (speculative_options.py).
+        check_drafter_options(self)
 
     def use_eagle(self) -> bool:
         """vLLM's ``SpeculativeConfig.use_eagle``: drives the drafter type, the lookahead slots and
@@ -188,7 +186,6 @@ class SpeculativeConfig:
         """The checks that need the checkpoint's config: a self-draft's layer count (beside, in
         speculative_options.py, as the draft model's other options)."""
         if self.draft_num_layers is not None:
-            from minivllm.speculative_options import check_draft_num_layers
             check_draft_num_layers(self, hf_config)
 
 
@@ -218,11 +215,9 @@ class KVTransferConfig:
     def __post_init__(self) -> None:
         if self.kv_connector is not None and self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}.")
-        if differs_from_defaults(self, ("kv_connector_context", "kv_load_failure_policy", "kv_lease_duration")):
-            # Options the article's example leaves at their defaults are checked beside this
-            # class, in a module loaded only when one of them is set.
-            from minivllm.kv_transfer_options import check_kv_transfer_options
-            check_kv_transfer_options(self)
+        # The options the article's example leaves at their defaults, checked on every
+        # construction (kv_transfer_options.py).
+        check_kv_transfer_options(self)
 
     @property
     def is_kv_producer(self) -> bool:

@@ -1,21 +1,18 @@
 """``KVTransferConfig``'s checks for the options the article's P/D example leaves at their defaults:
 the connector context (``"vllm_today"``, vLLM 0.32's order), the load-failure policy and the lease
-of a pull connector. ``config.py`` loads this only when one of them is set to something else, so the
-article's configuration reads without them.
+of a pull connector. ``KVTransferConfig`` runs them on every construction; they read its fields
+and never import ``config.py``.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from minivllm.config import KVTransferConfig
+from typing import Any
 
 KV_CONNECTOR_CONTEXTS = ("article", "vllm_today")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
-def check_kv_transfer_options(ktc: "KVTransferConfig") -> None:
-    """Raises ``ValueError`` naming the field and what it allows."""
+def check_kv_transfer_options(ktc: Any) -> None:
+    """``ktc``: a ``KVTransferConfig``. Raises ``ValueError`` naming the field and what it allows."""
     if ktc.kv_connector_context not in KV_CONNECTOR_CONTEXTS:
         raise ValueError(f"kv_transfer_config.kv_connector_context must be one of "
                          f"{KV_CONNECTOR_CONTEXTS}, got {ktc.kv_connector_context!r}.")

@@ -1,21 +1,18 @@
 """``SpeculativeConfig``'s checks for the methods that came after the article's n-gram: the draft
 model, the drafters' sampling, and suffix decoding (vLLM 0.32: ``config/speculative.py``, with
-``_validate_suffix_decoding``); and n-gram's minivllm-only ``ngram_match`` rule. ``config.py`` loads this only when one of them is asked for, so the
-article's configuration reads without the options of methods it does not use.
+``_validate_suffix_decoding``); and n-gram's minivllm-only ``ngram_match`` rule. ``SpeculativeConfig``
+runs them on every construction; they read its fields and never import ``config.py``.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from minivllm.config import SpeculativeConfig
+from typing import Any
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 NGRAM_MATCH_RULES = ("first", "last")
 
 
-def check_drafter_options(spec: "SpeculativeConfig") -> None:
-    """Raises ``ValueError`` naming the field and what it allows."""
+def check_drafter_options(spec: Any) -> None:
+    """``spec``: a ``SpeculativeConfig``. Raises ``ValueError`` naming the field and what it allows."""
     if spec.method == "ngram" and spec.ngram_match not in NGRAM_MATCH_RULES:
         raise ValueError(f"speculative_config.ngram_match must be one of "
                          f"{NGRAM_MATCH_RULES}, got {spec.ngram_match!r}.")
@@ -38,7 +35,7 @@ def check_drafter_options(spec: "SpeculativeConfig") -> None:
                          f"only, not {spec.method!r}.")
 
 
-def check_suffix_options(spec: "SpeculativeConfig") -> None:
+def check_suffix_options(spec: Any) -> None:
     """vLLM 0.32's ``_validate_suffix_decoding`` ranges (config/speculative.py); no draft model."""
     for name, kind, lo, hi in (("max_tree_depth", int, 1, None),
                                ("max_cached_requests", int, 0, None),
@@ -56,7 +53,7 @@ def check_suffix_options(spec: "SpeculativeConfig") -> None:
                          "tokens: it takes no 'model' or 'draft_num_layers'.")
 
 
-def check_draft_num_layers(spec: "SpeculativeConfig", hf_config: Any) -> None:
+def check_draft_num_layers(spec: Any, hf_config: Any) -> None:
     """A self-draft keeps at least one of the target's layers and drops at least one."""
     n = hf_config.num_hidden_layers
     if not 1 <= spec.draft_num_layers <= n - 1:

@@ -1,18 +1,21 @@
 """Article-step breakpoints: a stable id for every numbered step of the article ("Inside vLLM",
 part 3), and the statement in the engine after which that step's values sit in local variables.
 
-The engine's functions carry no breakpoint code. ``STOPS`` below names, for every id, the statement
-the stop follows (in the function ``step_table.py`` gives for that id) and the condition under which
-it stops. Arming an id recompiles that one function from its source with one statement added after
-the anchor, on the anchor's own line::
+The engine's functions carry no breakpoint code. Each id's row in ``step_table.py`` names the
+function, the statement the stop follows (its anchor) and the condition under which it stops.
+Arming an id recompiles that one function from its file's syntax tree (the function found by its
+code's ``co_firstlineno``, so every line and column stays where the file has it and a traceback's
+carets stay under the right expression) with one statement added after the anchor, on the
+anchor's own line::
 
     if at_step("spec.4", request.spec_token_ids): breakpoint()
 
 so the builtin ``breakpoint()`` runs in the article function's own frame, with its locals, and
 ``PYTHONBREAKPOINT`` picks the debugger (pdb, ipdb, pudb, VS Code's debugpy; ``0`` disables). The
 debugger shows the file as it is; a function nobody asked to stop in runs its original code, so a
-run without breakpoints pays nothing. ``at_step`` says whether to stop (each id stops once per
-``LLM``) and prints one line naming the step.
+run without breakpoints pays nothing. ``at_step`` says whether to stop and prints the step, the
+values to look at and why they are what they are. Each id stops once per ``LLM``: to stop there
+again, build another ``LLM`` (or call ``steps.configure([...])`` again).
 
 Ask with ``MINIVLLM_BREAK=spec.4,pd.lookup`` (or ``all``, or a group ``spec`` / ``pd``) or
 ``LLM(..., break_at=["spec.4"])``. ``python -m minivllm.tour spec|pd`` walks them in order. At exit,
@@ -26,63 +29,15 @@ import ast
 import atexit
 import importlib
 import inspect
+import linecache
 import os
 import sys
-import textwrap
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 if TYPE_CHECKING:
     from minivllm.step_table import Step
 
 _TABLE_NAMES = ("Step", "STEPS", "REGISTRY", "GROUPS", "markdown_table")
-
-# id -> (the statement the stop follows: the text its first line starts with, the condition).
-# The function is the step's own (step_table.py); OTHER_SITES adds a second function for an id.
-STOPS: dict[str, tuple[str, Optional[str]]] = {
-    "spec.setup": ("self.rejection_sampler = RejectionSampler(", None),
-    "spec.load": ("for name, layer in self.drafter.attn_layers()", None),
-    "spec.1.forward": ("with self.maybe_get_kv_connector_output(so) as kv_connector_output:",
-                       "so.scheduled_new_reqs"),
-    "spec.1": ("self.execute_model_state = ExecuteModelState(", "so.scheduled_new_reqs"),
-    "spec.2": ('trace.record("spec_propose"', "any(drafts.values())"),
-    "spec.3": ("request.spec_token_ids = list(drafts)", "drafts"),
-    "spec.4": ("if new_blocks is None:", "request.spec_token_ids"),
-    "spec.5": ("batch.spec_token_ids[req_id] = list(drafts)", "drafts"),
-    "spec.6": ("draft_token_ids = self.input_batch.token_ids_cpu[", None),
-    "spec.7": ("output, uniform_probs = rejection_sample(", None),
-    "spec.8": ("if check_stop(request, self.max_model_len, self.detokenize):", None),
-    "pd.init.worker": ("self.kv_connector = init_worker_distributed_environment(",
-                       "self.kv_connector is not None"),
-    "pd.init.scheduler": ("self.connector = KVConnectorFactory.create_connector(", None),
-    "pd.lookup": ("request.num_external_computed_tokens = num_external_computed_tokens", None),
-    "pd.update_state": ("self.connector.update_state_after_alloc(", None),
-    "pd.build_meta": ("scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(",
-                      "scheduler_output.kv_connector_metadata"),
-    "pd.enter": ("connector.start_load_kv(get_forward_context())", None),
-    "pd.layer_load": ("connector.wait_for_layer_load(self.layer_name)", None),
-    "pd.layer_save": ("connector.save_kv_layer(self.layer_name", None),
-    "pd.exit": ("connector.wait_for_save()", None),
-    "pd.async_wait": ('trace.record("remote_kv_wait"', None),
-    "pd.async_ready": ('trace.record("remote_kv_ready"', None),
-}
-# A stop whose anchor is a compound statement (if / for) stops inside its block, before the block's
-# first statement; all others stop after the anchor. (id, module, function) for a second site:
-OTHER_SITES = (("pd.enter", "minivllm.distributed.kv_transfer.vllm_today", "get_kv_connector_output",
-                "if not start_after_forward:"),)
-INSIDE_BLOCK = {"spec.1.forward", "spec.8"}
-# Why a requested stop may never come: (a stop that, if it never came either, explains it, why).
-# Those stops are compiled in as witnesses beside the requested ones (they record, never stop).
-_WHY_NOT: dict[str, tuple[str, str]] = {
-    "spec": ("spec.setup", "the engine has no speculative_config"),
-    "spec.drafts": ("spec.2", "no request had drafts (n-gram drafts need a prompt that repeats "
-                              "itself)"),
-    "pd": ("pd.init.scheduler", "the engine has no kv_transfer_config"),
-    "pd.async": ("pd.async_wait", "no load was asynchronous (SharedStorageConnector loads in the "
-                                  "forward)"),
-}
-_NEEDS = {"spec.3": "spec.drafts", "spec.4": "spec.drafts", "spec.5": "spec.drafts",
-          "spec.6": "spec.drafts", "spec.7": "spec.drafts", "pd.async_wait": "pd.async",
-          "pd.async_ready": "pd.async"}
 
 
 def __getattr__(name: str) -> Any:
@@ -126,10 +81,9 @@ def sites(step_id: str) -> list[tuple[Any, str]]:
     step = REGISTRY[step_id]
     module = importlib.import_module(
         "minivllm." + step.file[:-3].replace("/", ".").removesuffix(".__init__"))
-    found = [(_resolve(module, step.function), STOPS[step_id][0])]
-    for other_id, module_name, qualname, anchor in OTHER_SITES:
-        if other_id == step_id:
-            found.append((_resolve(importlib.import_module(module_name), qualname), anchor))
+    found = [(_resolve(module, step.function), step.anchor)]
+    for module_name, qualname, anchor in step.also:
+        found.append((_resolve(importlib.import_module(module_name), qualname), anchor))
     return found
 
 
@@ -140,38 +94,43 @@ def _resolve(module: Any, qualname: str) -> Any:
     return inspect.unwrap(obj)
 
 
-def anchor_of(func: Any, anchor: str) -> ast.stmt:
+def _function_node(func: Any) -> ast.FunctionDef:
+    """``func``'s definition in its file's syntax tree, found by its code's ``co_firstlineno`` (the
+    ``def`` line, or its first decorator's): line numbers and columns are the file's."""
+    code = func.__code__
+    lines = linecache.getlines(code.co_filename) or open(code.co_filename).readlines()
+    tree = ast.parse("".join(lines), code.co_filename)
+    for node in ast.walk(tree):
+        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == code.co_name
+                and min([node.lineno] + [d.lineno for d in node.decorator_list])
+                == code.co_firstlineno):
+            return node
+    raise ValueError(f"{func.__qualname__}: no definition at {code.co_filename}:{code.co_firstlineno}")
+
+
+def anchor_of(func: Any, anchor: str, node: Optional[ast.AST] = None) -> ast.stmt:
     """The one statement of ``func`` whose first line starts with ``anchor`` (ValueError if not
     exactly one), with line numbers as in the file."""
-    lines, first = inspect.getsourcelines(func)
-    tree = ast.parse(textwrap.dedent("".join(lines)))
-    ast.increment_lineno(tree, first - 1)
-    matches = [node for node in ast.walk(tree.body[0]) if isinstance(node, ast.stmt)
-               and node is not tree.body[0]
-               and lines[node.lineno - first].strip().startswith(anchor)]
+    node = node or _function_node(func)
+    lines = linecache.getlines(func.__code__.co_filename)
+    matches = [stmt for stmt in ast.walk(node) if isinstance(stmt, ast.stmt) and stmt is not node
+               and lines[stmt.lineno - 1].strip().startswith(anchor)]
     if len(matches) != 1:
         raise ValueError(f"{func.__qualname__}: {len(matches)} statements start with {anchor!r}")
     return matches[0]
 
 
-def _witnesses(step_id: str) -> list[str]:
-    keys = (step_id.split(".")[0], _NEEDS.get(step_id, ""))
-    return [_WHY_NOT[k][0] for k in keys if k in _WHY_NOT and _WHY_NOT[k][0] != step_id]
-
-
-def _compile_stops(func: Any, stops: list[tuple[str, str]]) -> Any:
-    """``func``'s code with ``if at_step(step_id, <condition>): breakpoint()`` after each
-    ``(step_id, anchor)``'s anchor statement (at the head of its block, for the ids in
-    INSIDE_BLOCK), on the anchor's line."""
-    lines, first = inspect.getsourcelines(func)
-    tree = ast.parse(textwrap.dedent("".join(lines)))
-    ast.increment_lineno(tree, first - 1)
-    for step_id, anchor in stops:
-        target = anchor_of(func, anchor)
-        stop = ast.parse(f"if __import__('minivllm.steps').steps.at_step({step_id!r}, "
-                         f"{STOPS[step_id][1] or 'True'}): breakpoint()").body[0]
-        block, i = _block_of(tree, target)
-        if step_id in INSIDE_BLOCK:
+def _compile_stops(func: Any, stops: list[tuple[Any, str]]) -> Any:
+    """``func``'s code with ``if at_step(step.id, step.when): breakpoint()`` after each ``(step,
+    anchor)``'s anchor statement (at the head of its block, for a step whose ``inside`` is set), on
+    the anchor's line."""
+    node = _function_node(func)
+    for step, anchor in stops:
+        target = anchor_of(func, anchor, node)
+        stop = ast.parse(f"if __import__('minivllm.steps').steps.at_step({step.id!r}, "
+                         f"{step.when}): breakpoint()").body[0]
+        block, i = _block_of(node, target)
+        if step.inside:
             block, i, line = block[i].body, -1, target.lineno
         else:
             line = target.end_lineno
@@ -179,30 +138,32 @@ def _compile_stops(func: Any, stops: list[tuple[str, str]]) -> Any:
         for part in ast.walk(stop):   # on the anchor's line: the debugger shows the file as it is
             if hasattr(part, "lineno"):
                 part.lineno = part.end_lineno = line
-    return _code_of(func, tree)
+                part.col_offset, part.end_col_offset = target.col_offset, target.col_offset
+    return _code_of(func, node)
 
 
 def _block_of(tree: ast.AST, target: ast.stmt) -> tuple[list, int]:
-    """The statement list holding ``target`` (found again by position) and its index there."""
+    """The statement list holding ``target`` and its index there."""
     for node in ast.walk(tree):
         for field in ("body", "orelse", "finalbody"):
             block = getattr(node, field, None)
             for i, stmt in enumerate(block if isinstance(block, list) else ()):
-                if (stmt.lineno, stmt.col_offset) == (target.lineno, target.col_offset):
+                if stmt is target:
                     return block, i
     raise ValueError(f"no block holds the statement at line {target.lineno}")
 
 
-def _code_of(func: Any, tree: ast.Module) -> Any:
-    """Compile the function's edited tree; a method goes inside a class of its own class's name,
-    so ``super()`` finds its ``__class__`` cell."""
-    defn = tree.body[0]
+def _code_of(func: Any, defn: ast.FunctionDef) -> Any:
+    """Compile the function's edited definition; a method goes inside a class of its own class's
+    name, so ``super()`` finds its ``__class__`` cell."""
     defn.decorator_list = []
     owner = func.__qualname__.split(".")[-2] if "." in func.__qualname__ else None
+    body: ast.stmt = defn
     if owner:
-        cls = ast.ClassDef(name=owner, bases=[], keywords=[], body=[defn], decorator_list=[])
-        tree = ast.Module(body=[ast.copy_location(cls, defn)], type_ignores=[])
-    module = compile(ast.fix_missing_locations(tree), func.__code__.co_filename, "exec")
+        body = ast.copy_location(ast.ClassDef(name=owner, bases=[], keywords=[], body=[defn],
+                                              decorator_list=[]), defn)
+    module = compile(ast.fix_missing_locations(ast.Module(body=[body], type_ignores=[])),
+                     func.__code__.co_filename, "exec")
     stack = [module]
     while stack:
         code = stack.pop()
@@ -218,11 +179,13 @@ def configure(break_at: "str | Iterable[str] | None" = None) -> tuple[str, ...]:
     global _requested
     source = break_at if break_at is not None else os.environ.get("MINIVLLM_BREAK")
     _requested = parse(source)
-    disarm()
-    by_function: dict[Any, list[tuple[str, str]]] = {}
-    for step_id in dict.fromkeys(_requested + tuple(w for i in _requested for w in _witnesses(i))):
+    _restore()
+    from minivllm.step_table import REGISTRY
+    by_function: dict[Any, list[tuple[Any, str]]] = {}
+    witnesses = tuple(w for i in _requested for w in REGISTRY[i].needs)
+    for step_id in dict.fromkeys(_requested + witnesses):
         for func, anchor in sites(step_id):
-            by_function.setdefault(func, []).append((step_id, anchor))
+            by_function.setdefault(func, []).append((REGISTRY[step_id], anchor))
     for func, stops in by_function.items():
         _original[func] = func.__code__
         func.__code__ = _compile_stops(func, stops)
@@ -232,7 +195,13 @@ def configure(break_at: "str | Iterable[str] | None" = None) -> tuple[str, ...]:
 
 
 def disarm() -> None:
-    """Every function back to its own code; no id armed."""
+    """Every function back to its own code; no id armed, and none of those asked so far named at
+    exit (whoever disarms, a tour or a test, has had its stops)."""
+    _restore()
+    _asked.clear()
+
+
+def _restore() -> None:
     BREAKS.clear()
     for func, code in _original.items():
         func.__code__ = code
@@ -240,7 +209,8 @@ def disarm() -> None:
 
 
 def at_step(step_id: str, when: Any = True) -> bool:
-    """True (once per id and engine) when ``step_id`` is armed and ``when`` is truthy."""
+    """True (once per id and engine) when ``step_id`` is armed and ``when`` is truthy; then prints
+    the step, where it is, the values to look at and why they are what they are."""
     global current
     if not when:
         return False
@@ -251,22 +221,41 @@ def at_step(step_id: str, when: Any = True) -> bool:
     from minivllm.step_table import REGISTRY
     current = REGISTRY[step_id]
     if not quiet:
-        caller = sys._getframe(1)
-        print(f"minivllm step {step_id}: {current.article} "
-              f"[{caller.f_code.co_filename}:{caller.f_lineno} {current.function}]", file=sys.stderr)
+        print("\n".join(banner(current, sys._getframe(1))), file=sys.stderr)
     return True
 
 
+def banner(step: Any, frame: Any) -> list[str]:
+    """What a stop prints: the id, the article's sentence, ``file:line`` and function; the locals
+    to look at (the step's ``show``); and the tour's "why" lines for it (tour_notes.py), with no
+    tokenizer, so ids stay ids. A note that fails is left out: the stop must never break the run."""
+    lines = [f"minivllm step {step.id}: {step.article} "
+             f"[{frame.f_code.co_filename}:{frame.f_lineno} {step.function}]",
+             f"  look at: {step.show}"]
+    from minivllm.tour_notes import NOTES
+    if step.id in NOTES:
+        try:
+            lines += ["  why: " + x for x in NOTES[step.id](frame, _NoTour())]
+        except Exception as e:   # noqa: BLE001 (a note reads live values; never stop the engine)
+            lines.append(f"  why: <{type(e).__name__}: {e}>")
+    return lines
+
+
+class _NoTour:
+    """What a note reads of the tour, outside one: no tokenizer, no instance name."""
+    tokenizer = None
+    instance = ""
+
+
 def never_fired() -> list[str]:
-    """One line per requested id that never stopped in this process, with why, if known."""
+    """One line per requested id that never stopped in this process, with why, if known: the
+    ``never_means`` of the first stop it needs (or of itself) that never came either."""
+    from minivllm.step_table import REGISTRY
     lines = []
     for step_id in (i for i in _asked if i not in _seen):
-        why = ""
-        for key in (step_id.split(".")[0], _NEEDS.get(step_id)):
-            witness, reason = _WHY_NOT.get(key or "", ("", ""))
-            if reason and witness not in _seen:
-                why = f": {reason}"
-                break
+        step = REGISTRY[step_id]
+        why = next((f": {REGISTRY[w].never_means}" for w in step.needs + (step_id,)
+                    if REGISTRY[w].never_means and w not in _seen), "")
         lines.append(f"minivllm: the requested step {step_id} never stopped{why}.")
     return lines
 

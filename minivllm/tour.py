@@ -56,10 +56,10 @@ class Stop:
 
 def _decisions(frame: Any) -> list[str]:
     """spec.7: the accept/reject decision per draft, from the tensors the sampler just used."""
-    from minivllm.sample.verify_record import build_record
     f = frame.f_locals
-    records = build_record(f["metadata"], f["sampling_metadata"], f["target_logits"], f["draft_probs"],
-                           f["target_probs"], f["target_argmax"], f["uniform_probs"], f["output"])
+    records = f["self"].make_record(f["metadata"], f["sampling_metadata"], f["target_logits"],
+                                    f["draft_probs"], f["target_probs"], f["target_argmax"],
+                                    f["uniform_probs"], f["output"])
     lines = []
     for row, positions in enumerate(records):
         parts = []

@@ -1,6 +1,7 @@
 """Step records: what the engine did at each step, for notebooks, widgets, tests and the debugger.
 
-Recording is off by default and then costs one ``ContextVar.get()`` per call site. ``EngineCore.step()``
+Recording is off by default and then costs one read of the module's ``active`` count per call
+site, and no call into this file. ``EngineCore.step()``
 opens a ``StepRecord`` when its ``Tracer`` is enabled; any code running inside that step (scheduler,
 KV cache manager, model runner, rejection sampler, KV connector) adds events with ``record(kind, ...)``.
 Widgets draw only from these records, never by recomputing what the engine did.
@@ -36,6 +37,7 @@ Event kinds (each a plain dict with ``"kind"`` plus the fields listed):
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -56,6 +58,12 @@ class StepRecord:
 
 
 _current: ContextVar[Optional[StepRecord]] = ContextVar("minivllm_step_record", default=None)
+
+# How many steps are being recorded now, in any thread. Call sites read this plain flag before
+# calling in (``if trace.active: trace.record(...)``), so a run that records nothing never enters
+# this file; ``record()`` and ``is_recording()`` still check the step's own context.
+active = 0
+_active_lock = threading.Lock()
 
 
 def is_recording() -> bool:
@@ -78,11 +86,16 @@ class Tracer:
         if not self.enabled:
             yield None
             return
+        global active
         rec = StepRecord(step=index)
         token = _current.set(rec)
+        with _active_lock:
+            active += 1
         try:
             yield rec
         finally:
+            with _active_lock:
+                active -= 1
             _current.reset(token)
             self.steps.append(rec)
 

@@ -11,12 +11,6 @@ def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
 
-def differs_from_defaults(config: Any, names: tuple[str, ...]) -> bool:
-    """Whether any of these dataclass fields differs from its default. The defaults are read from
-    the class, so each is written once; a config's rarer options load their checks only then."""
-    return any(getattr(config, n) != config.__dataclass_fields__[n].default for n in names)
-
-
 def resolve_obj_by_qualname(qualname: str) -> Any:
     """``"package.module.Name"`` (or ``"package.module.Class.method"``) -> the object (vLLM's
     ``resolve_obj_by_qualname``): the longest importable prefix is the module, the rest are

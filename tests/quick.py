@@ -61,7 +61,12 @@ QUICK: dict[str, "tuple[str, ...] | None"] = {
     "test_vllm_today_context.py": ("test_order_around_the_forward",),
     # the reader's side: breakpoints, the readable core, README, import contracts
     "test_steps.py": ALL,
-    "test_readable_core.py": ALL,
+    # the walks run the default model (its drafts come from its own repetition): full run only
+    "test_readable_core.py": ("test_tour_stop_is_short_and_plain", "test_code_lines_counts_the_body_only",
+                              "test_then_and_now_rows_resolve_to_a_real_override",
+                              "test_overlays_are_chosen_from_the_configuration",
+                              "test_file_code_lines_skips_docstrings_comments_and_blanks",
+                              "test_every_package_file_is_at_most_400_code_lines"),
     "test_readme.py": ("test_readme_is_short_and_every_block_parses",
                        "test_readme_breakpoint_table_matches_the_registry",
                        "test_readme_layout_lists_current_files_and_line_counts"),

@@ -67,3 +67,41 @@ def test_bad_prompts_queue_nothing(tiny_llama_dir):
         assert not llm.llm_engine.has_unfinished_requests()   # the good prompt was not queued
     with pytest.raises(ValueError, match="sampling_params has 2 entries for 1 prompts"):
         llm.generate([good], [SamplingParams(), SamplingParams()], use_tqdm=False)
+
+
+# Every option check runs on every construction, whatever the other fields are: a wrong option is
+# refused alone, and beside another option set away from its default.
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(method="ngram", draft_num_layers=2), "draft_num_layers"),
+    (dict(method="ngram", draft_num_layers=2, ngram_match="last"), "draft_num_layers"),
+    (dict(method="ngram", ngram_match="middle"), "ngram_match"),
+    (dict(method="ngram", draft_sample_method="probabilistic"), "draft_sample_method"),
+    (dict(method="ngram", draft_sample_method="nope"), "draft_sample_method"),
+])
+def test_speculative_options_are_always_checked(kwargs, match):
+    from minivllm.config import SpeculativeConfig
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig(num_speculative_tokens=2, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(kv_load_failure_policy="nope"), "kv_load_failure_policy"),
+    (dict(kv_lease_duration=0), "kv_lease_duration"),
+    (dict(kv_connector_context="nope"), "kv_connector_context"),
+    (dict(kv_connector_context="vllm_today", kv_lease_duration=-1), "kv_lease_duration"),
+])
+def test_kv_transfer_options_are_always_checked(kwargs, match):
+    from minivllm.config import KVTransferConfig
+    with pytest.raises(ValueError, match=match):
+        KVTransferConfig("SharedStorageConnector", "kv_both", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(min_p=2.0), "min_p"),
+    (dict(temperature=0.5, presence_penalty=3.0), "presence_penalty"),
+    (dict(min_tokens=-1, stop=["x"]), "min_tokens"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+])
+def test_sampling_options_are_always_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)

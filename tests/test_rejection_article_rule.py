@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 
 from minivllm.sample.metadata import SamplingMetadata
-from minivllm.sample.rejection_reference import rejection_sample_one
+from minivllm.sample.rejection_reference import accept_or_recover, rejection_sample_one
 from minivllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
@@ -89,10 +89,11 @@ def test_reference_backend_is_the_article_rule_in_the_batch():
     most 4 calls from ``forward`` and samples what the race samples."""
     import inspect
     from minivllm.sample import rejection_reference, rejection_sampler
-    greedy_sample, random_sample = rejection_sampler._kernels("reference")
-    assert random_sample is rejection_reference.rejection_random_sample_reference
+    random_sample = rejection_reference.rejection_random_sample_reference
     chain = [(rejection_sampler.RejectionSampler.forward, "rejection_sample("),
-             (rejection_sampler.rejection_sample, "random_sample("),
+             (rejection_sampler.rejection_sample,
+              'if backend == "reference":   # the article\'s rule, one request at a time\n'
+              '        rejection_reference.rejection_random_sample_reference('),
              (random_sample, "accept_or_recover(")]
     assert all(call in inspect.getsource(f) for f, call in chain)
     gen = torch.Generator().manual_seed(3)
@@ -125,3 +126,25 @@ def test_reference_backend_is_chosen_by_the_environment(monkeypatch):
         RejectionSampler()
     monkeypatch.delenv("MINIVLLM_REJECTION_SAMPLER")
     assert RejectionSampler().backend in ("torch", "triton")
+
+
+def test_reference_rule_rejects_a_draft_its_drafter_gave_probability_zero():
+    """vLLM's kernel accepts iff ``draft_prob > 0 and target_prob / draft_prob >= uniform``: a
+    draft with ``p_draft(x) = 0`` is rejected even where ``p_target(x) >= p_draft(x)``."""
+    target = torch.tensor([[0.5, 0.3, 0.2]])
+    draft = torch.tensor([[0.0, 0.6, 0.4]])               # token 0 drafted with probability 0
+    accepted, recovered = accept_or_recover([0], draft, target, [0.0])
+    assert accepted == [] and recovered == 0              # residual max(p_t - p_d, 0) = [0.5, 0, 0]
+
+
+def test_reference_rule_equality_accepts():
+    """``p_target(x) == p_draft(x)`` accepts whatever the uniform; the ratio equal to the uniform
+    accepts too (``>=``, as vLLM's kernel)."""
+    target = torch.tensor([[0.25, 0.5, 0.25]])
+    draft = torch.tensor([[0.25, 0.5, 0.25]])
+    assert accept_or_recover([1], draft, target, [0.999999]) == ([1], None)
+    half = torch.tensor([[0.5, 0.25, 0.25]])             # p_target(1) / p_draft(1) = 0.5
+    assert accept_or_recover([1], draft, half, [0.5]) == ([1], None)
+    assert accept_or_recover([1], draft, half, [0.5000001])[0] == []
+    one_hot = accept_or_recover([2], None, target, [0.25])   # p_draft = 1: accepted iff p_t >= u
+    assert one_hot == ([2], None)

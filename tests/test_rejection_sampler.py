@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from minivllm import trace
-from minivllm.sample import accept as A
+from minivllm.sample import rejection_sampler as A
 from minivllm.sample import rejection_kernels as K
 from minivllm.sample import rejection_torch as R
 from minivllm.sample.metadata import SamplingMetadata

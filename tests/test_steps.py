@@ -11,10 +11,20 @@ from minivllm import SamplingParams, steps
 
 from conftest import generate_tokens, tiny_llm
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "disarmed_after")
 PKG = os.path.dirname(minivllm.__file__)
 NGRAM = {"method": "ngram", "prompt_lookup_max": 5, "prompt_lookup_min": 3, "num_speculative_tokens": 3}
 PROMPTS = [[5, 6, 7, 8, 9] * 3, [11, 12, 13, 14, 15]]
+
+
+@pytest.fixture
+def disarmed_after(monkeypatch):
+    """A test disarms what it arms: the ids it asks for are its own (not named at this process's
+    exit) and every function has its code back after it."""
+    monkeypatch.setattr(steps, "_asked", {})
+    monkeypatch.setattr(steps, "_seen", set())
+    yield
+    steps.disarm()
 
 
 def test_every_step_stops_in_its_documented_function_and_the_files_carry_no_hook():
@@ -131,3 +141,88 @@ def test_never_fired_names_the_missing_configuration(monkeypatch):
         "(SharedStorageConnector loads in the forward)."]
     monkeypatch.setattr(steps, "_seen", set())
     assert steps.never_fired()[0].endswith("spec.7 never stopped: the engine has no speculative_config.")
+
+
+MODULE = '''class Host:
+    def method(self, values):
+        text = """a string
+at column 0, inside a method"""
+        total = len(text)
+        ratio = values["num"] / values["den"]
+        return total, ratio
+'''
+
+
+def _host(tmp_path, monkeypatch):
+    """A module written to a file: a method holding a multi-line string at column 0."""
+    import importlib
+    (tmp_path / "stops_host.py").write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return importlib.import_module("stops_host").Host
+
+
+def test_a_method_with_a_column_0_string_arms_and_keeps_its_carets(tmp_path, monkeypatch):
+    """Recompiled from the file's own syntax tree: a method whose string continues at column 0
+    arms, the stop runs on the anchor's line, and a traceback's carets stay under the expression
+    that failed (as in the original code)."""
+    import traceback
+    host = _host(tmp_path, monkeypatch)
+    step = steps.Step("test.stop", "a test stop", "Host.method", "", "total", anchor="total = len(",
+                      when="total > 0")
+    original = host.method.__code__
+    host.method.__code__ = steps._compile_stops(host.method, [(step, step.anchor)])
+    try:
+        assert host().method({"num": 1, "den": 2}) == (len("a string\nat column 0, inside a method"), 0.5)
+        assert "test.stop" in steps._seen
+        with pytest.raises(ZeroDivisionError) as armed:
+            host().method({"num": 1, "den": 0})
+    finally:
+        host.method.__code__ = original
+    with pytest.raises(ZeroDivisionError) as plain:
+        host().method({"num": 1, "den": 0})
+    def carets(exc):
+        text = "".join(traceback.format_exception(exc.value))
+        lines = text.splitlines()
+        i = max(i for i, l in enumerate(lines) if "ratio = values" in l)
+        return lines[i], lines[i + 1]
+    assert carets(armed) == carets(plain)
+    line, marks = carets(plain)
+    # under the division, from its left operand on, not shifted left
+    assert len(marks) - len(marks.lstrip()) == line.index('values["num"]') and "^" in marks
+
+
+def test_the_banner_names_the_locals_and_says_why(monkeypatch, capsys):
+    """A stop prints the step, the locals to look at (its show expressions) and the tour's "why"
+    for it (the spec.4 note, from the frame's own locals)."""
+    class Request:
+        spec_token_ids, num_tokens_with_spec, num_computed_tokens = [7, 8], 12, 9
+    class Sched:
+        num_lookahead_tokens = 0
+    def schedule_running(self, request, num_new_tokens):
+        return steps.at_step("spec.4", True)
+    monkeypatch.setattr(steps, "BREAKS", {"spec.4": True})
+    monkeypatch.setattr(steps, "quiet", False)
+    assert schedule_running(Sched(), Request(), 3)
+    err = capsys.readouterr().err
+    assert "minivllm step spec.4:" in err
+    assert "look at: request.request_id, request.spec_token_ids, num_new_tokens" in err
+    assert "why: num_new_tokens 3 = 1 sampled token" in err
+    assert not steps.at_step("spec.4", True)        # each id stops once
+
+
+def test_every_step_is_one_row():
+    """Everything about a stop is in its Step row: anchor, condition, what it needs and why."""
+    for step in steps.STEPS:
+        assert step.anchor and step.when, step.id
+        assert all(n in steps.REGISTRY and steps.REGISTRY[n].never_means for n in step.needs), step.id
+
+
+def test_disarm_forgets_the_asked_ids(monkeypatch):
+    """What a tour or a test armed and then disarmed is not named at exit."""
+    monkeypatch.setenv("MINIVLLM_BREAK", "pd.async_wait")
+    steps.configure()
+    assert steps.never_fired() == [
+        "minivllm: the requested step pd.async_wait never stopped: the engine has no "
+        "kv_transfer_config."]
+    steps.disarm()
+    assert steps.never_fired() == [] and steps.BREAKS == {}

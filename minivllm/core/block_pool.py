@@ -4,7 +4,7 @@
 ``kv_cache [2, num_gpu_blocks, block_size, num_kv_heads, head_dim]``), the free queue, and the prefix cache
 ``cached_block_hash_to_block``. Eviction is lazy: a freed block keeps its hash and stays a possible prefix hit
 until ``get_new_blocks`` hands it to someone else, and only then leaves the hash map
-(prefix_cache_evict.py, read only once that happens, or on ``reset_prefix_cache``).
+(``_maybe_evict_cached_block``); ``reset_prefix_cache`` forgets every hash at once.
 
 Block 0 is the ``null_block``: popped once at start-up and never handed out or freed, so usable blocks are
 ``num_gpu_blocks - 1`` and real block ids start at 1 (padding in a block table can point at 0 harmlessly).
@@ -83,9 +83,18 @@ class BlockPool:
         return ret
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        """A block handed out again leaves the prefix cache (prefix_cache_evict.py)."""
-        from minivllm.core.prefix_cache_evict import maybe_evict_cached_block
-        return maybe_evict_cached_block(self, block)
+        """A block handed out again leaves the prefix cache: take it out of
+        ``cached_block_hash_to_block`` and drop its hash; False if it held none."""
+        block_hash = block.block_hash
+        if block_hash is None:
+            return False
+        candidates = self.cached_block_hash_to_block.get(block_hash)
+        if candidates is None or candidates.pop(block.block_id, None) is None:
+            return False
+        if not candidates:
+            del self.cached_block_hash_to_block[block_hash]
+        block.reset_hash()
+        return True
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks; a free one leaves the free queue so it is not evicted."""
@@ -113,9 +122,15 @@ class BlockPool:
         self.free_block_queue.append_n(evict_last)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash, only when no request holds a block (prefix_cache_evict.py)."""
-        from minivllm.core.prefix_cache_evict import reset_prefix_cache
-        return reset_prefix_cache(self)
+        """Forget every cached hash. Only allowed when no request holds a block (only the null
+        block is in use); returns whether it happened."""
+        num_used_blocks = self.num_gpu_blocks - self.get_num_free_blocks()
+        if num_used_blocks != 1:
+            return False
+        self.cached_block_hash_to_block = {}
+        for block in self.blocks:
+            block.reset_hash()
+        return True
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks

@@ -125,8 +125,14 @@ class KVCacheBlock:
         self._block_token_ids = None
 
     def __repr__(self) -> str:
-        from minivllm.core.kv_cache_record import block_repr   # for the debugger and the tests
-        return block_repr(self)
+        """``KVCacheBlock(block_id=.., ref_cnt=.., block_hash=<8 hex digits>, prev_free_block=..,
+        next_free_block=.., is_null=..)``, for the debugger and the tests."""
+        # Only neighbours' ids: printing the neighbours themselves would recurse through the list.
+        prev_id = self.prev_free_block.block_id if self.prev_free_block else None
+        next_id = self.next_free_block.block_id if self.next_free_block else None
+        h = self._block_hash.hex()[:8] if self._block_hash else None
+        return (f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, block_hash={h}, "
+                f"prev_free_block={prev_id}, next_free_block={next_id}, is_null={self.is_null})")
 
 
 class FreeKVCacheBlockQueue:
@@ -189,9 +195,13 @@ class FreeKVCacheBlockQueue:
             self.num_free_blocks += 1
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """The free blocks in eviction order (kv_cache_record.py: for step records and tests)."""
-        from minivllm.core.kv_cache_record import free_blocks_in_order
-        return free_blocks_in_order(self)
+        """Every free block, head (evicted first) to tail: for step records and tests."""
+        ret = []
+        curr = self.fake_free_list_head.next_free_block
+        while curr is not None and curr is not self.fake_free_list_tail:
+            ret.append(curr)
+            curr = curr.next_free_block
+        return ret
 
     def _unlink(self, block: KVCacheBlock) -> None:
         assert block.prev_free_block is not None and block.next_free_block is not None

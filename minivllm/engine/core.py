@@ -9,14 +9,17 @@ the worker, as vllm/v1/engine/core.py ``post_step`` skips ``take_draft_token_ids
 also overlaps scheduling with the forward (``step_with_batch_queue``); minivllm's step stays serial.
 
 Set a breakpoint in ``Scheduler.schedule`` and call ``step()``: everything runs in this process.
-A step that schedules nothing while requests wait asks no_room.py whether the KV cache is too small.
+A step that schedules nothing while requests wait checks whether the KV cache is too small
+(``_check_room``).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable, Optional
 
 from minivllm import trace
 from minivllm.config import VllmConfig
+from minivllm.core.sched.output import SchedulerOutput
 from minivllm.request import Request
 from minivllm.trace import Tracer
 from minivllm.utils import resolve_obj_by_qualname
@@ -51,22 +54,36 @@ class EngineCore:
         # seen yet or whose blocks a transfer still holds, so they are freed without new work.
         if not self.scheduler.has_requests():
             return []
-        with self.tracer.step(self.step_index):
+        # Recording is a flag read here: a run that records nothing never enters trace.py.
+        with self.tracer.step(self.step_index) if self.tracer.enabled else nullcontext():
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.total_num_scheduled_tokens == 0 and self.scheduler.waiting:
-                from minivllm.engine.no_room import check_room   # a cache too small? no_room.py
-                check_room(self, scheduler_output)
+                self._check_room(scheduler_output)
             model_output = self.worker.execute_model(scheduler_output)
             if model_output is None:   # vLLM 0.32: the forward ran; sampling finishes the step
                 model_output = self.worker.sample_tokens()
             outputs = self.scheduler.update_from_output(scheduler_output, model_output)
             self.post_step()
-            if trace.is_recording() and self.scheduler.num_spec_tokens:
+            if trace.active and trace.is_recording() and self.scheduler.num_spec_tokens:
                 # What the next schedule() reads: drafts (default) or -1 placeholders (async).
                 trace.record("spec_token_ids", spec_token_ids={
                     r.request_id: list(r.spec_token_ids) for r in self.scheduler.running})
         self.step_index += 1
         return outputs
+
+    def _check_room(self, scheduler_output: SchedulerOutput) -> None:
+        """A step scheduled nothing while requests wait: ``RuntimeError`` when nothing would ever
+        free blocks for them (no running request, no preemption, no load in flight, no finished
+        request holding blocks), instead of stepping forever: the KV cache is too small for any
+        of them (``num_gpu_blocks_override`` may set it below what one request needs)."""
+        scheduler = self.scheduler
+        if (not scheduler.running and not scheduler_output.preempted_req_ids
+                and not scheduler.waiting_for_remote_kvs and not scheduler.delayed_free):
+            cache = self.vllm_config.cache_config
+            raise RuntimeError(
+                "The KV cache cannot hold even one waiting request "
+                f"({cache.num_gpu_blocks} blocks of {cache.block_size} tokens): raise "
+                "num_gpu_blocks_override or lower max_model_len.")
 
     def post_step(self) -> None:
         if self.async_scheduling:

@@ -2,9 +2,8 @@
 
 ``add_request()`` / ``step()`` / ``has_unfinished_requests()`` let a notebook or a debugger drive the
 engine one step at a time; ``LLM.generate()`` is a loop over exactly these calls.
-Beside it, read only when needed: prompts.py (a text prompt, a refused one), abort.py
-(``abort_request``), parallel_sampling.py (``n > 1``), logprobs.py (a request asking for them),
-core/sched/stop_strings.py (stop strings).
+Beside it, read only when needed: parallel_sampling.py (``n > 1``), logprobs.py (a request asking
+for them), core/sched/stop_strings.py (stop strings).
 """
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from typing import Any, Optional, TYPE_CHECKING, Union
 from minivllm.config import VllmConfig
 from minivllm.engine.core import EngineCore
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.request import Request
+from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:   # loaded when a request asks for logprobs or n > 1
@@ -55,10 +54,19 @@ class LLMEngine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """A prompt's (text, token ids): ``{'prompt_token_ids': [...]}`` as given, text through the
+        tokenizer (vLLM's ``InputProcessor``); ``ValueError`` for anything else, or for text
+        without a tokenizer."""
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-        from minivllm.engine.prompts import tokenize_text_prompt   # text (or not a prompt at all)
-        return tokenize_text_prompt(prompt, self.tokenizer)
+        if isinstance(prompt, dict):
+            raise ValueError("a dict prompt must have the key 'prompt_token_ids'.")
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a str or {{'prompt_token_ids': [...]}}, got "
+                             f"{type(prompt).__name__}.")
+        if self.tokenizer is None:
+            raise ValueError("skip_tokenizer_init=True: give prompts as {'prompt_token_ids': [...]}.")
+        return prompt, self.tokenizer.encode(prompt)
 
     def validate_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """Tokenize and check one prompt (``ValueError`` naming the problem); nothing is queued."""
@@ -68,8 +76,14 @@ class LLMEngine:
         # Not empty, room left under max_model_len, every id in the vocabulary.
         if (not token_ids or len(token_ids) >= max_model_len
                 or min(token_ids) < 0 or max(token_ids) >= vocab):
-            from minivllm.engine.prompts import prompt_error
-            raise prompt_error(token_ids, max_model_len, vocab)
+            if not token_ids:
+                raise ValueError("prompt is empty: it must have at least one token.")
+            if len(token_ids) >= max_model_len:
+                raise ValueError(f"prompt has {len(token_ids)} tokens, which leaves no room under "
+                                 f"max_model_len={max_model_len} (prompt tokens must be < "
+                                 "max_model_len).")
+            raise ValueError(f"prompt_token_ids must be in [0, {vocab}) for this model's "
+                             "vocabulary.")
         return text, token_ids
 
     def add_request(self, request_id: str, prompt: PromptType,
@@ -111,9 +125,16 @@ class LLMEngine:
                                 self.vllm_config.model_config.max_logprobs)
 
     def abort_request(self, request_ids: list[str]) -> None:
-        """Finish the requests as aborted (a parent's id aborts its children): abort.py."""
-        from minivllm.engine.abort import abort_requests
-        abort_requests(self, request_ids)
+        """vLLM's ``abort_request``: finish the requests as ``FINISHED_ABORTED`` (the scheduler's
+        ``finish_requests``) and forget them; a parent's id (``n > 1``) aborts its children."""
+        request_ids = [c for r in request_ids for c in (
+            [c for c, p in self._parents.items() if p.request_id == r] or [r])]
+        for request_id in request_ids:
+            self._parents.pop(request_id, None)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for request_id in request_ids:
+            self._requests.pop(request_id, None)
+            self._logprobs.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         """Requests a caller still waits for (``LLM.generate`` loops on this, as vLLM's loops on

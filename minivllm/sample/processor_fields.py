@@ -5,21 +5,19 @@ one (``needs_processor_fields``); otherwise they keep their empty defaults.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from minivllm.sampling_params import _SAMPLING_EPS, SamplingParams
 
-if TYPE_CHECKING:   # annotations only: metadata.py imports this module
-    from minivllm.sample.metadata import SamplingMetadata
 
-
-def fill_logits_processor_fields(md: SamplingMetadata, params: Sequence[SamplingParams],
+def fill_logits_processor_fields(md: Any, params: Sequence[SamplingParams],
                                   prompt_token_ids: Optional[Sequence[list[int]]],
                                   num_output_tokens: Optional[Sequence[int]], device) -> None:
     """The penalties, min_p, logit bias, allowed ids, bad words, min_tokens and logprobs fields of
-    ``md`` (whose ``output_token_ids`` are filled); the arguments as in ``from_params``."""
+    ``md``, the ``SamplingMetadata`` being built, whose ``output_token_ids`` are filled (this
+    module never imports its host); the other arguments as in ``from_params``."""
     if not all(p.no_penalties for p in params):
         t = lambda name: torch.tensor([getattr(p, name) for p in params],  # noqa: E731
                                       dtype=torch.float32, device=device)

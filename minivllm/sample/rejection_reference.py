@@ -3,12 +3,13 @@ al. 2023, the same rule as gpt-fast's ``speculative_decode``): the readable refe
 ``rejection_sampler.py``, and the rejection sampler's ``"reference"`` backend (the tour's
 ``--plain`` path: ``MINIVLLM_REJECTION_SAMPLER=reference``).
 
-Left to right over the drafts: draft ``x`` at position ``j`` is accepted while
-``p_target(x) >= p_draft(x)``, or else with probability ``p_target(x) / p_draft(x)``
-(``u < p_target(x) / p_draft(x)``, ``u ~ U[0, 1)``). At the first rejection the recovered token is
-drawn from the residual ``normalize(max(p_target - p_draft, 0))`` and the request stops there; if
-every draft passed, the bonus token follows the last draft. Each emitted token is then distributed
-exactly as the target model's.
+Left to right over the drafts: draft ``x`` at position ``j`` is accepted when ``p_draft(x) > 0``
+and ``p_target(x) / p_draft(x) >= u``, ``u ~ U[0, 1)``: always when ``p_target(x) >= p_draft(x)``,
+else with probability ``p_target(x) / p_draft(x)``; a draft its drafter gave probability 0 is
+rejected, as vLLM's kernel rejects it (``draft_prob > 0`` comes first there). At the first
+rejection the recovered token is drawn from the residual ``normalize(max(p_target - p_draft, 0))``
+and the request stops there; if every draft passed, the bonus token follows the last draft. Each
+emitted token is then distributed exactly as the target model's.
 
 The other backends ("torch", "triton") compute the same rule for a whole batch so that their ids
 equal vLLM 0.32's from the same draws; there the residual is sampled by an exponential race,
@@ -34,12 +35,16 @@ def accept_or_recover(draft_token_ids: list[int], draft_probs: Optional[torch.Te
     at draft j's position; ``uniforms``: k draws of U[0, 1). A draft id of -1 (an async-scheduling
     placeholder) drafted nothing: it is rejected and its recovered token comes from ``p_target``."""
     for j, x in enumerate(draft_token_ids):
-        p_draft = torch.zeros_like(target_probs[j])
+        if x < 0:                                              # a placeholder drafted nothing
+            p_draft = torch.zeros_like(target_probs[j])
+        elif draft_probs is None:                              # one-hot: p_draft(x) = 1
+            p_draft = torch.nn.functional.one_hot(torch.tensor(x), target_probs.shape[-1])
+            p_draft = p_draft.to(target_probs.dtype)
+        else:
+            p_draft = draft_probs[j]
         if x >= 0:
-            p_draft = p_draft.index_fill_(0, torch.tensor(x), 1.0) if draft_probs is None \
-                else draft_probs[j]
             p_target_x, p_draft_x = target_probs[j, x].item(), p_draft[x].item()
-            if p_target_x >= p_draft_x or uniforms[j] < p_target_x / p_draft_x:
+            if p_draft_x > 0 and p_target_x / p_draft_x >= uniforms[j]:
                 continue                                       # accepted: on to the next draft
         residual = (target_probs[j] - p_draft).clamp_min(0.0)
         recovered = torch.multinomial(residual / residual.sum(), 1, generator=generator)
@@ -60,6 +65,28 @@ def rejection_sample_one(draft_token_ids: list[int], draft_probs: Optional[torch
     if recovered is None:                                      # every draft passed: the bonus
         recovered = int(torch.multinomial(target_probs[k], 1, generator=generator))
     return accepted + [recovered]
+
+
+def rejection_greedy_sample_reference(output_token_ids, cu_num_draft_tokens, draft_token_ids,
+                                      target_argmax, bonus_token_ids, is_greedy,
+                                      max_spec_len) -> None:
+    """The greedy rows of a batch, one request at a time: a draft is accepted while it is the
+    target's argmax; at the first mismatch the argmax is output instead (it counts as the
+    recovered token); if every draft passed, the bonus follows. A -1 placeholder never matches.
+    ``output_token_ids`` ``[batch, max_spec_len + 1]`` int32, written in place."""
+    start = 0
+    for i, (end, greedy) in enumerate(zip(cu_num_draft_tokens.tolist(), is_greedy.tolist())):
+        if greedy:
+            out = []
+            for draft, argmax in zip(draft_token_ids[start:end].tolist(),
+                                     target_argmax[start:end].tolist()):
+                out.append(argmax)
+                if draft != argmax:
+                    break
+            else:
+                out.append(int(bonus_token_ids[i]))
+            output_token_ids[i, :len(out)] = torch.tensor(out, dtype=torch.int32)
+        start = end
 
 
 def rejection_random_sample_reference(output_token_ids, num_draft_tokens, cu_num_draft_tokens,

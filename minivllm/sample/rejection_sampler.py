@@ -20,18 +20,21 @@ rejection_sampler.py ``draft_token_id < 0``) is always rejected, on greedy and r
 every backend, and its recovered token comes from ``p_target`` alone; no kernel reads a
 probability at index -1.
 
-The backends (``_kernels``), each in a file of its own, imported when it first runs: "reference"
-says the article's rule as it reads, one request at a time (``rejection_reference.py``; the tour's
-``--plain``); "torch" (the torch loop, ``rejection_torch.py``) and "triton" (the kernels in
-``rejection_kernels.py``) sample the residual by vLLM's exponential race (``race_random_sample``),
-so that their ids equal vLLM 0.32's from the same draws. The uniform draws are made here in torch,
-once, for every backend. The torch loop writes its output as the article does
-(``accept_left_to_right``: per request, left to right, stop at the first rejection), the loop each
-program of the Triton kernels runs, and on a CPU it is the fast path.
+The backends, each in a file of its own, chosen in ``rejection_sample`` by an ``if`` on the
+configured name: "reference" says the article's rule as it reads, one request at a time
+(``rejection_reference.py``; the tour's ``--plain``); "torch" (the torch loop,
+``rejection_torch.py``) and "triton" (the kernels in ``rejection_kernels.py``, imported when they
+first run, so a CPU run never loads Triton) sample the residual by vLLM's exponential race
+(``race_random_sample``), so that their ids equal vLLM 0.32's from the same draws. The uniform draws
+are made here in torch, once, for every backend. The torch loop writes its output as the article
+does (``accept_left_to_right``: per request, left to right, stop at the first rejection), the loop
+each program of the Triton kernels runs, and on a CPU it is the fast path.
+
+Before the rule, the target's logits get what plain sampling would apply at each draft's position
+(vLLM's ``apply_logits_processors`` and ``apply_sampling_constraints``, below).
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 from typing import TYPE_CHECKING, Optional
@@ -40,9 +43,9 @@ import torch
 from torch import nn
 
 from minivllm import trace
-from minivllm.sample.accept import (_is_greedy, apply_draft_logits_processors,
-                                    apply_sampling_constraints)
+from minivllm.sample import rejection_reference, rejection_torch
 from minivllm.sample.metadata import SamplingMetadata
+from minivllm.sample.sampler import apply_temperature, apply_top_k_top_p
 
 if TYPE_CHECKING:   # annotations only: the drafts' metadata loads with speculative decoding
     from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
@@ -50,21 +53,55 @@ if TYPE_CHECKING:   # annotations only: the drafts' metadata loads with speculat
 PLACEHOLDER_TOKEN_ID = -1
 
 
-def _kernels(backend: str) -> tuple:
-    """(greedy sample, random sample) of ``backend``. "reference" is the article's rule as it reads
-    (rejection_reference.py); "torch" and "triton" are vLLM's race (rejection_torch.py). Each
-    backend is imported only when it first runs: a run without drafts loads none, and a CPU run with
-    the torch loop never loads Triton."""
-    from minivllm.sample import rejection_torch as T
-    if backend == "reference":
-        from minivllm.sample.rejection_reference import rejection_random_sample_reference
-        return T.rejection_greedy_sample_torch, rejection_random_sample_reference
-    if backend == "torch":
-        return T.rejection_greedy_sample_torch, functools.partial(
-            T.race_random_sample, T.sample_recovered_tokens_torch, T.rejection_random_sample_torch)
-    from minivllm.sample import rejection_kernels as K
-    return K.rejection_greedy_sample_triton, functools.partial(
-        T.race_random_sample, K.sample_recovered_tokens_triton, K.rejection_random_sample_triton)
+# ---------------------------------------------------------------------------------------------------
+# What plain sampling would apply at each draft's position, and which rows are greedy.
+
+GREEDY_TEMPERATURE = 0.0
+
+
+def _is_greedy(sampling_metadata: SamplingMetadata, batch_size: int, device) -> torch.Tensor:
+    if sampling_metadata.all_greedy or sampling_metadata.all_random:
+        return torch.full((batch_size,), sampling_metadata.all_greedy, dtype=torch.bool, device=device)
+    return sampling_metadata.temperature == GREEDY_TEMPERATURE
+
+
+def expand_batch_to_tokens_torch(x, cu_num_tokens, num_tokens, max_spec_len, replace_from=0,
+                                 replace_to=0) -> torch.Tensor:
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return x.repeat_interleave(counts, output_size=num_tokens)
+
+
+def apply_sampling_constraints(logits: torch.Tensor, metadata: SpecDecodeMetadata,
+                               sampling_metadata: SamplingMetadata, backend: str = "torch") -> torch.Tensor:
+    """Temperature, min_p, top-k and top-p per draft token: each request's values repeated over its
+    drafts (vLLM 0.32 leaves min_p out here; applying it keeps every position distributed as the
+    plain sampler's)."""
+    if sampling_metadata.all_greedy:
+        return logits
+    expand = expand_batch_to_tokens_torch
+    if backend == "triton":
+        from minivllm.sample.rejection_kernels import expand_batch_to_tokens_triton as expand
+    n, cu, msl = logits.shape[0], metadata.cu_num_draft_tokens, metadata.max_spec_len
+    temperature = expand(sampling_metadata.temperature, cu, n, msl, GREEDY_TEMPERATURE, 1.0)
+    top_k = None if sampling_metadata.top_k is None else expand(sampling_metadata.top_k, cu, n, msl)
+    top_p = None if sampling_metadata.top_p is None else expand(sampling_metadata.top_p, cu, n, msl)
+    logits = apply_temperature(logits, temperature)
+    if sampling_metadata.min_p is not None:
+        from minivllm.sample.ops.builtin import apply_min_p
+        logits = apply_min_p(logits, expand(sampling_metadata.min_p, cu, n, msl))
+    return apply_top_k_top_p(logits, top_k, top_p)
+
+
+def apply_draft_logits_processors(logits: torch.Tensor, sampling_metadata: SamplingMetadata,
+                                  metadata: SpecDecodeMetadata) -> torch.Tensor:
+    """vLLM's ``RejectionSampler.apply_logits_processors``: the sampler's processors at every
+    draft position, the earlier drafts counted as outputs (``ops/processors.py``), when a
+    request asked for one."""
+    if not sampling_metadata.needs_logits_processors:
+        return logits
+    from minivllm.sample.ops import processors
+    return processors.apply_draft_logits_processors(logits, sampling_metadata, metadata)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -87,21 +124,39 @@ def generate_uniform_probs(num_tokens: int, num_draft_tokens: list[int],
 def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
                      target_probs, target_argmax, bonus_token_ids, sampling_metadata,
                      backend: str = "torch") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Output ``[batch, max_spec_len + 1]`` int32 and the uniform draws (``None`` if all greedy)."""
-    greedy_sample, random_sample = _kernels(backend)
+    """Output ``[batch, max_spec_len + 1]`` int32 and the uniform draws (``None`` if all greedy).
+    Greedy rows first, then the random ones, each by ``backend``'s own function."""
     batch_size, device = len(num_draft_tokens), target_probs.device
     output = torch.full((batch_size, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int32,
                         device=device)
     is_greedy = _is_greedy(sampling_metadata, batch_size, device)
     if not sampling_metadata.all_random:
-        greedy_sample(output, cu_num_draft_tokens, draft_token_ids, target_argmax, bonus_token_ids,
-                      is_greedy, max_spec_len)
+        greedy_args = (output, cu_num_draft_tokens, draft_token_ids, target_argmax,
+                       bonus_token_ids, is_greedy, max_spec_len)
+        if backend == "reference":
+            rejection_reference.rejection_greedy_sample_reference(*greedy_args)
+        elif backend == "torch":
+            rejection_torch.rejection_greedy_sample_torch(*greedy_args)
+        else:
+            from minivllm.sample import rejection_kernels
+            rejection_kernels.rejection_greedy_sample_triton(*greedy_args)
         if sampling_metadata.all_greedy:
             return output, None
     generators = sampling_metadata.generators
     uniform_probs = generate_uniform_probs(draft_token_ids.numel(), num_draft_tokens, generators, device)
-    random_sample(output, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs,
-                  target_probs, bonus_token_ids, uniform_probs, is_greedy, generators)
+    random_args = (output, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs,
+                   target_probs, bonus_token_ids, uniform_probs, is_greedy, generators)
+    if backend == "reference":   # the article's rule, one request at a time
+        rejection_reference.rejection_random_sample_reference(*random_args)
+    elif backend == "torch":     # vLLM's race, in torch
+        rejection_torch.race_random_sample(rejection_torch.sample_recovered_tokens_torch,
+                                           rejection_torch.rejection_random_sample_torch,
+                                           *random_args)
+    else:                        # vLLM's race, in the Triton kernels
+        from minivllm.sample import rejection_kernels
+        rejection_torch.race_random_sample(rejection_kernels.sample_recovered_tokens_triton,
+                                           rejection_kernels.rejection_random_sample_triton,
+                                           *random_args)
     return output, uniform_probs
 
 
@@ -153,13 +208,27 @@ class RejectionSampler(nn.Module):
             metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,
             metadata.cu_num_draft_tokens, draft_probs, target_probs, target_argmax, bonus_token_ids,
             sampling_metadata, self.backend)
-        if self.record or trace.is_recording():
+        if self.record or (trace.active and trace.is_recording()):
             # The model runner turns these into "spec_verify" trace events keyed by request id.
-            from minivllm.sample.verify_record import build_record
-            self.last_record = build_record(metadata, sampling_metadata, target_logits, draft_probs,
-                                            target_probs, target_argmax, uniform_probs, output)
+            self.last_record = self.make_record(metadata, sampling_metadata, target_logits,
+                                                draft_probs, target_probs, target_argmax,
+                                                uniform_probs, output)
         return output
 
+    def make_record(self, metadata: SpecDecodeMetadata, sampling_metadata: SamplingMetadata,
+                    target_logits: torch.Tensor, draft_probs: Optional[torch.Tensor],
+                    target_probs: torch.Tensor, target_argmax: torch.Tensor,
+                    uniform_probs: Optional[torch.Tensor], output: torch.Tensor) -> list[list[dict]]:
+        """The per-position decisions of one ``forward`` (verify_record.py, which gets this
+        sampler's greedy rows, processors and constraints as arguments and never imports it)."""
+        from minivllm.sample.verify_record import build_record
+        logits = target_logits.float()
+        return build_record(
+            metadata, sampling_metadata, target_logits, draft_probs, target_probs, target_argmax,
+            uniform_probs, output,
+            is_greedy=_is_greedy(sampling_metadata, output.shape[0], output.device),
+            processed=apply_draft_logits_processors(logits, sampling_metadata, metadata),
+            constrain=lambda x: apply_sampling_constraints(x, metadata, sampling_metadata))
 
     @staticmethod
     def parse_output(output_token_ids: torch.Tensor, vocab_size: int,

@@ -12,12 +12,10 @@ outputs: the mistake vLLM 0.32's ``RejectionSampler.apply_logits_processors`` /
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from minivllm.sample.accept import (_is_greedy, apply_draft_logits_processors,
-                                    apply_sampling_constraints)
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.rejection_torch import random_accept_mask
 
@@ -45,8 +43,15 @@ def _at_drafts(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def build_record(metadata: SpecDecodeMetadata, sampling_metadata: SamplingMetadata,
                  target_logits: torch.Tensor, draft_probs: Optional[torch.Tensor],
                  target_probs: torch.Tensor, target_argmax: torch.Tensor,
-                 uniform_probs: Optional[torch.Tensor], output: torch.Tensor) -> list[list[dict]]:
+                 uniform_probs: Optional[torch.Tensor], output: torch.Tensor, *,
+                 is_greedy: torch.Tensor, processed: torch.Tensor,
+                 constrain: Callable[[torch.Tensor], torch.Tensor]) -> list[list[dict]]:
     """The per-position decisions, gathered from the same tensors the kernels read.
+
+    From the rejection sampler, which calls this and is never imported here: ``is_greedy``
+    ``[batch]`` bool, its greedy rows; ``processed`` ``[num_draft_tokens, vocab]``, the logits after
+    its logits processors (drafts counted as outputs), before the sampling constraints;
+    ``constrain``, its sampling constraints (temperature, min_p, top-k, top-p) over such logits.
 
     ``target_logits`` ``[num_draft_tokens, vocab]``: the target's logits before the logits
     processors; ``target_probs`` ``[num_draft_tokens, vocab]`` what the drafts were tested against
@@ -71,16 +76,14 @@ def build_record(metadata: SpecDecodeMetadata, sampling_metadata: SamplingMetada
     ``*drafts_ignored`` fields (no draft was tested); a -1 placeholder draft has None penalties.
     """
     md = sampling_metadata
-    is_greedy = _is_greedy(md, output.shape[0], output.device)
     draft = metadata.draft_token_ids.long()
     idx = draft.clamp(min=0).unsqueeze(-1)
     counts = torch.tensor(metadata.num_draft_tokens, dtype=torch.long, device=draft.device)
     greedy_tok = is_greedy.repeat_interleave(counts, output_size=draft.numel())
 
     raw = target_logits.float()
-    processed = apply_draft_logits_processors(raw, md, metadata)
     ignored = _processed_drafts_ignored(raw, md, metadata) if md.needs_logits_processors else processed
-    constrained_ignored = apply_sampling_constraints(ignored, metadata, md)
+    constrained_ignored = constrain(ignored)
     probs_ignored = constrained_ignored.softmax(dim=-1, dtype=torch.float32)
 
     def decide(probs: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:

@@ -188,7 +188,7 @@ class EagleProposer(DraftKVCacheMixin):
         sel = torch.from_numpy(sample_idx).to(dev)
         draft, probs = sample_draft_tokens(self.model.compute_logits(logits_states[sel]), batch,
                                            rows, self.probabilistic, self._drafting)
-        if trace.is_recording():
+        if trace.active and trace.is_recording():
             trace.record("spec_draft_pass", method=self.method, pass_idx=j,
                          req_ids=[batch.req_ids[r] for r in rows],
                          query_start_loc=cu.tolist(), positions=positions.tolist(),

@@ -67,7 +67,7 @@ class MedusaProposer(Proposer):
         sample_rows = t.logits_indices[torch.tensor([rows[i] for i in drafting],
                                                     device=t.logits_indices.device)]
         drafts = self.propose(t.hidden_states[sample_rows]).tolist()
-        if trace.is_recording():
+        if trace.active and trace.is_recording():
             trace.record("spec_draft_pass", method="medusa", pass_idx=0,
                          req_ids=[batch.req_ids[i] for i in drafting],
                          hidden_state_rows=sample_rows.tolist(), draft_token_ids=drafts)

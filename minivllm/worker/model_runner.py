@@ -8,8 +8,13 @@ One engine step on the worker, in the article's order:
   indices; ``_calc_spec_decode_metadata``, spec step 6) → the forward inside ``set_forward_context``
   and the KV connector's context manager (P/D "context manager") → the logits. Returns ``None``: the
   step goes on in ``sample_tokens`` (a step with nothing scheduled returns its output at once).
-- ``sample_tokens()``: sampling, or the rejection sampler when drafts were scheduled (spec step 7)
-  → ``_bookkeeping_sync`` → ``propose_draft_token_ids`` (spec step 2); logprobs: worker/logprobs.py.
+- ``sample_tokens()``: the batch's ``SamplingMetadata`` (``_prepare_sampling``), then sampling, or
+  the rejection sampler when drafts were scheduled (spec step 7: ``_rejection_sample``) →
+  ``_bookkeeping_sync`` → ``propose_draft_token_ids`` (spec step 2); logprobs: worker/logprobs.py.
+
+The KV connector's half (``kv_connector_model_runner_mixin.py``) is mixed in only when the engine
+has a connector (``worker.get_model_runner_cls``); without one, the methods below put nothing
+around the forward, so a step runs no P/D code.
 
 This class is the article's runner. vLLM 0.32's variants (the runner's half of async scheduling,
 ``defer_finalize``, probabilistic drafting, the 0.32 connector context) are mixins beside it in
@@ -21,6 +26,7 @@ except ``take_draft_token_ids``.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -33,16 +39,15 @@ from minivllm.config import VllmConfig
 from minivllm.core.sched.output import SchedulerOutput
 from minivllm.forward_context import set_forward_context
 from minivllm.model_executor.model_loader import load_model
+from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.sampler import Sampler
+from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
 from minivllm.utils import cdiv
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
-from minivllm.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from minivllm.worker.outputs import ExecuteModelState, ModelRunnerOutput
-from minivllm.worker.sampling import SamplingMixin
 
 if TYPE_CHECKING:   # loaded with spec decode only
     from minivllm.sample.rejection_sampler import RejectionSampler
-    from minivllm.spec_decode.metadata import SpecDecodeMetadata
     from minivllm.spec_decode.utils import TargetStepOutputs
 
 __all__ = ["ExecuteModelState", "ModelRunner", "ModelRunnerOutput"]
@@ -52,7 +57,7 @@ def _int32(values: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=np.int32)).to(device)
 
 
-class ModelRunner(SamplingMixin, KVConnectorModelRunnerMixin):
+class ModelRunner:
     def __init__(self, vllm_config: VllmConfig, device: torch.device, dtype: torch.dtype,
                  kv_connector: Any = None) -> None:
         self.vllm_config = vllm_config
@@ -69,6 +74,10 @@ class ModelRunner(SamplingMixin, KVConnectorModelRunnerMixin):
         self.kv_caches: list[torch.Tensor] = []
         self.execute_model_state: Optional[ExecuteModelState] = None
         self._draft_token_ids: Optional[dict[str, list[int]]] = None
+        # This step's logprob rows ``[S, vocab]`` and where each request's tokens start, when a
+        # request asked for logprobs (the numbers are gathered in worker/logprobs.py).
+        self._logprobs_rows: Optional[tuple[torch.Tensor, list[int]]] = None
+        self._prompt_logprobs_progress: Optional[dict[str, Any]] = None   # the same, per prompt
 
         # Spec decode, article "Setup / init device": create the drafter and the rejection sampler.
         self.speculative_config = vllm_config.speculative_config
@@ -187,7 +196,7 @@ class ModelRunner(SamplingMixin, KVConnectorModelRunnerMixin):
             block_table=torch.from_numpy(batch.block_table.block_table[:n, :max_blocks]).to(dev),
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             max_query_len=int(num_sched.max()), max_seq_len=int(seq_lens.max()))
-        if trace.is_recording():   # the lists are built only when someone records
+        if trace.active and trace.is_recording():   # the lists are built only when someone records
             trace.record("slot_mapping", req_ids=list(batch.req_ids), positions=positions.tolist(),
                          slot_mapping=slot_mapping.tolist())
         num_draft = np.array([len(batch.spec_token_ids.get(r, [])) for r in batch.req_ids])
@@ -221,7 +230,6 @@ class ModelRunner(SamplingMixin, KVConnectorModelRunnerMixin):
             bonus_logits_indices:    [0, 4, 6]           each request's last logits row
             cu_num_draft_tokens:     [0, 3, 4]
         """
-        from minivllm.spec_decode.metadata import SpecDecodeMetadata
         num_sampled_tokens = num_draft_tokens + 1
         cu_num_sampled_tokens = np.cumsum(num_sampled_tokens)
         cu_num_draft_tokens = np.cumsum(num_draft_tokens)
@@ -249,6 +257,19 @@ class ModelRunner(SamplingMixin, KVConnectorModelRunnerMixin):
             bonus_logits_indices=_int32(bonus_logits_indices, self.device),
             logits_indices=_int32(logits_indices, self.device),
             max_spec_len=int(num_draft_tokens.max()))
+
+    # ------------------------------------------------------------------ no KV connector
+    # KVConnectorModelRunnerMixin (kv_connector_model_runner_mixin.py) overrides these when the
+    # engine has a connector.
+    def kv_connector_layers(self) -> dict[str, Any]:
+        return {}
+
+    def maybe_get_kv_connector_output(self, scheduler_output: SchedulerOutput):
+        """The P/D context manager around the forward: without a connector, nothing (``None``)."""
+        return nullcontext(None)
+
+    def kv_connector_no_forward(self, scheduler_output: SchedulerOutput) -> None:
+        return None
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -292,6 +313,85 @@ class ModelRunner(SamplingMixin, KVConnectorModelRunnerMixin):
                                  sampled_token_ids, kv_connector_output=state.kv_connector_output,
                                  **self._logprobs_outputs(sampled_token_ids, state))
 
+    # ------------------------------------------------------------------ sampling
+    def _logprobs_outputs(self, sampled_token_ids: list[list[int]],
+                          state: ExecuteModelState) -> dict[str, Any]:
+        """``ModelRunnerOutput``'s ``logprobs`` and ``prompt_logprobs_dict`` when a request asked
+        for either (worker/logprobs.py); nothing otherwise."""
+        params = self.input_batch.sampling_params
+        if (self._logprobs_rows is None and not self._prompt_logprobs_progress
+                and all(params[r].prompt_logprobs is None for r in self.input_batch.req_ids)):
+            return {}
+        from minivllm.worker.logprobs import logprobs_outputs
+        return logprobs_outputs(self, sampled_token_ids, state)
+
+    def _prepare_sampling(self, seq_lens: np.ndarray) -> tuple[SamplingMetadata, np.ndarray]:
+        """-> the batch's ``SamplingMetadata`` and ``partial`` ``[n]``: rows that are a partial
+        prefill chunk (they sample nothing; their generator is left out so the discarded draw
+        does not shift a seeded request's random stream)."""
+        batch = self.input_batch
+        partial = seq_lens < batch.num_tokens[:batch.num_reqs]
+        generators = {i: g for i, g in batch.generators.items() if not partial[i]}
+        params = [batch.sampling_params[r] for r in batch.req_ids]
+        states = [self.requests[r] for r in batch.req_ids]
+        return SamplingMetadata.from_params(
+            params, generators, self.device,
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            spec_token_ids=[batch.spec_token_ids.get(r, []) for r in batch.req_ids],
+        ), partial
+
+    def _sample(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata,
+                partial: np.ndarray) -> list[list[int]]:
+        """Regular sampling, one token per request from ``logits`` ``[n, vocab]`` ([] for a
+        partial prefill chunk)."""
+        out = self.sampler.sample_output(logits, sampling_metadata)
+        if out.logprobs is not None:
+            self._logprobs_rows = (out.logprobs, list(range(len(partial))))
+        return [[] if partial[i] else [t] for i, t in enumerate(out.sampled_token_ids.tolist())]
+
+    def _rejection_sample(self, spec_md: SpecDecodeMetadata, logits: torch.Tensor,
+                          sampling_metadata: SamplingMetadata,
+                          partial: np.ndarray) -> list[list[int]]:
+        """Article step 7: the rejection sampler instead of regular sampling. ``logits`` ``[S,
+        vocab]`` are the rows of ``spec_md.logits_indices``. -> per request the accepted drafts
+        and one recovered or bonus token ([] for a partial prefill chunk)."""
+        bonus = self.sampler.sample_output(logits[spec_md.bonus_logits_indices], sampling_metadata,
+                                           num_draft_tokens=spec_md.num_draft_tokens)
+        out = self.rejection_sampler(spec_md, self._scheduled_draft_probs(spec_md),
+                                     logits[spec_md.target_logits_indices],
+                                     bonus.sampled_token_ids.view(-1, 1).to(torch.int32),
+                                     sampling_metadata)
+        if bonus.logprobs is not None:   # a request asked for logprobs
+            from minivllm.worker.logprobs import spec_logprobs_rows
+            self._logprobs_rows = spec_logprobs_rows(self, spec_md, logits, bonus.logprobs)
+        if trace.active and self.rejection_sampler.last_record is not None:
+            for i, rec in enumerate(self.rejection_sampler.last_record):
+                if spec_md.num_draft_tokens[i]:
+                    trace.record("spec_verify", req_id=self.input_batch.req_ids[i], positions=rec)
+        return self.rejection_sampler.parse_output(
+            out, logits.shape[-1], discard_req_indices=partial.nonzero()[0].tolist())
+
+    def _scheduled_draft_probs(self, spec_md: SpecDecodeMetadata) -> Optional[torch.Tensor]:
+        """``draft_probs`` for the rejection sampler: ``None``, the drafts are one-hot (n-gram and
+        greedy drafters: ``p_draft = 1``)."""
+        return None
+
+    def _bookkeeping_sync(self, sampled_token_ids: list[list[int]]) -> None:
+        """Append the sampled tokens to the persistent batch and to each request's state."""
+        batch = self.input_batch
+        for i, req_id in enumerate(batch.req_ids):
+            toks = sampled_token_ids[i]
+            if not toks:
+                continue
+            start = batch.num_tokens_no_spec[i]
+            end = min(start + len(toks), self.max_model_len)
+            batch.token_ids_cpu[i, start:end] = toks[:end - start]
+            batch.num_tokens_no_spec[i] = batch.num_tokens[i] = end
+            self.requests[req_id].output_token_ids.extend(toks)
+        if trace.active:
+            trace.record("sampled", sampled=dict(zip(batch.req_ids, sampled_token_ids)))
+
     def propose_draft_token_ids(self, sampled_token_ids: list[list[int]],
                                 state: ExecuteModelState) -> dict[str, list[int]]:
         """Article step 2: after the forward pass and sampling, propose up to k drafts per request.
@@ -314,7 +414,8 @@ class ModelRunner(SamplingMixin, KVConnectorModelRunnerMixin):
             self.target_step_outputs = TargetStepOutputs.from_state(state, sampled_token_ids)
         drafts = self.drafter.propose_for_batch(self, limits, state.scheduler_output)
         self.target_step_outputs = None
-        trace.record("spec_propose", drafts={r: list(d) for r, d in drafts.items()})
+        if trace.active:
+            trace.record("spec_propose", drafts={r: list(d) for r, d in drafts.items()})
         return drafts
 
     def take_draft_token_ids(self) -> Optional[dict[str, list[int]]]:

@@ -48,8 +48,9 @@ def _defers_finalize(c: VllmConfig) -> bool:
     return bool(spec and spec.needs_lookahead_slots and ktc and ktc.kv_connector)
 
 
-# vLLM 0.32's variants of the runner (worker/vllm_today/), each (when it applies, the mixin), in
-# method-resolution order: the first listed overrides the later ones.
+# The runner's mixins, each (when it applies, the mixin), in method-resolution order: the first
+# listed overrides the later ones. vLLM 0.32's variants (worker/vllm_today/), then the KV
+# connector's half, which a runner without a connector does without.
 MODEL_RUNNER_MIXINS: tuple[tuple[Callable[[VllmConfig], bool], str], ...] = (
     (lambda c: c.scheduler_config.async_scheduling,
      "minivllm.worker.vllm_today.async_scheduling.AsyncSchedulingMixin"),
@@ -60,12 +61,15 @@ MODEL_RUNNER_MIXINS: tuple[tuple[Callable[[VllmConfig], bool], str], ...] = (
     (lambda c: c.speculative_config is not None
      and c.speculative_config.draft_sample_method == "probabilistic",
      "minivllm.worker.vllm_today.draft_probs.ProbabilisticDraftsMixin"),
+    # The article's KV-connector half, under the 0.32 overrides above: only with a connector.
+    (lambda c: c.kv_transfer_config is not None and bool(c.kv_transfer_config.kv_connector),
+     "minivllm.worker.kv_connector_model_runner_mixin.KVConnectorModelRunnerMixin"),
 )
 
 
 def get_model_runner_cls(vllm_config: VllmConfig) -> type:
-    """The article's ``ModelRunner``, or a subclass of it with vLLM 0.32's mixins this
-    configuration asks for (chosen once, at construction)."""
+    """The article's ``ModelRunner``, or a subclass of it with the mixins this configuration asks
+    for (the KV connector's half, vLLM 0.32's variants; chosen once, at construction)."""
     mixins = tuple(resolve_obj_by_qualname(name) for applies, name in MODEL_RUNNER_MIXINS
                    if applies(vllm_config))
     if not mixins:

@@ -9,7 +9,7 @@ the request in ``finished_sending`` (P in the pull model: D reads P's blocks aft
 (b) an asynchronous load still writes into them, until ``finished_recving`` (an abort while
 ``WAITING_FOR_REMOTE_KVS``; the scheduler does this for every connector).
 
-Loaded through ``KVTransferMixin`` (kv_transfer.py) only when a finished request must keep its
+Called by the scheduler (``Scheduler._delay_or_free``, taken as an argument) only when a finished request must keep its
 blocks or the worker reports a finished transfer: the article's SharedStorage connector moves
 everything inside its step and never does, so its examples never read this file.
 Step records: ``"delay_free"`` (req_id, reasons, block_ids) when a finished request keeps its

@@ -2,7 +2,7 @@
 ``kv_load_failure_policy="fail"`` path of vllm/v1/core/sched/scheduler.py's ``update_from_output``.
 
 Loaded the first time a worker reports blocks whose external KV did not load
-(``KVConnectorOutput.invalid_block_ids``), through ``KVTransferMixin`` (kv_transfer.py): a load
+(``KVConnectorOutput.invalid_block_ids``), through ``Scheduler._handle_invalid_blocks``: a load
 that succeeds, as in the article's examples, never reads this file. Step record:
 ``"kv_load_failed"`` (req_id, policy) when ``kv_load_failure_policy="fail"`` ends a request.
 """

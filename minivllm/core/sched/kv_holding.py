@@ -5,9 +5,9 @@ asynchronous-load path around it: entering it (``start_async_load``, the request
 (``update_waiting_for_remote_kv``), and the scan (``schedule_kv_holding``).
 
 A request enters it when its connector loads its KV asynchronously: the RedisStore and ZmqPull
-connectors do, the article's SharedStorage connector never does. ``KVTransferMixin``
-(kv_transfer.py) reads this file only when a load is asynchronous or the queue is not empty, so
-the article's examples never load it. Step records: ``"remote_kv_wait"`` when a load starts,
+connectors do, the article's SharedStorage connector never does. The scheduler
+(``Scheduler._start_async_load``, ``schedule_kv_holding``) calls into this file only when a load
+is asynchronous or the queue is not empty, so the article's examples never run it. Step records: ``"remote_kv_wait"`` when a load starts,
 ``"remote_kv_ready"`` once it landed (trace.py).
 """
 from __future__ import annotations

@@ -19,10 +19,10 @@ if TYPE_CHECKING:
 
 
 class SchedulerState:
-    """What the scheduler's mixins (waiting.py, kv_transfer.py) and the functions beside them
-    (kv_holding.py, delayed_free.py, failed_loads.py) use of their host ``Scheduler``:
-    its state, set in ``Scheduler.__init__``, and the methods one mixin calls on another.
-    Declarations only, for the reader and the editor."""
+    """What the functions beside the scheduler (kv_holding.py, delayed_free.py, failed_loads.py)
+    use of their host ``Scheduler``, which they take as an argument and never import: its state,
+    set in ``Scheduler.__init__``, and the methods they call. Declarations only, for the reader
+    and the editor."""
     vllm_config: VllmConfig
     block_size: int
     max_num_running_reqs: int

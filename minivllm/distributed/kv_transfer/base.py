@@ -37,7 +37,7 @@ def recorded(method: Callable[..., Any]) -> Callable[..., Any]:
     own body is the article's logic only."""
     @functools.wraps(method)
     def call(self: "KVConnectorBase_V1", *args: Any, **kwargs: Any) -> Any:
-        if not trace.is_recording():
+        if not (trace.active and trace.is_recording()):
             return method(self, *args, **kwargs)
         from minivllm.distributed.kv_transfer.recording import record_call
         return record_call(method, self, args, kwargs)
@@ -104,8 +104,9 @@ class KVConnectorBase_V1:
     def _record(self, method: str, req_id: Optional[str] = None, args: Any = None,
                 result: Any = None, bytes: int = 0) -> None:
         """One ``"connector"`` trace event per call (a no-op unless the engine is recording)."""
-        trace.record("connector", role=self._role.name.lower(), method=method, req_id=req_id,
-                     args=args, result=result, bytes=bytes)
+        if trace.active:
+            trace.record("connector", role=self._role.name.lower(), method=method, req_id=req_id,
+                         args=args, result=result, bytes=bytes)
 
     def get_stats(self) -> dict[str, Any]:
         """Cumulative counters (tokens and bytes loaded / stored ...) for ``LLM.get_metrics()``."""

@@ -5,7 +5,7 @@
 names for one class: ``kv_connector="SharedStorageConnector"`` (the article's) and
 ``kv_connector="ExampleConnector"`` (vLLM today) behave the same and share stored folders.
 
-"External server" = a local folder (``storage.SharedStorage``; format: ``storage_format.py``).
+"External server" = a local folder (``storage.SharedStorage``, with its format).
 Prefill (P) stores each prompt's KV, decode (D) loads it, synchronously, whole blocks only; the
 last prompt token is always recomputed (its logits give the first output token). The scheduler
 half (lookup, state update, metadata) comes first, then the worker half (load, save), in the

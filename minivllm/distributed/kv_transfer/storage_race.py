@@ -1,4 +1,4 @@
-"""Publishing a stored folder when its final name is already taken (``storage_format.commit_folder``
+"""Publishing a stored folder when its final name is already taken (``storage.commit_folder``
 found a folder there): another producer published the same prefix first, or a bad folder (from a
 crash, another model, a damaged disk) is in the way. Loaded only then; the article's path
 publishes with one ``os.rename`` and never reads this file."""

@@ -20,13 +20,19 @@ import gc
 import shutil
 import tempfile
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol, TextIO
 
 from minivllm import steps
 from minivllm.tour_notes import decoded, short, speculation_summary
 
-if TYPE_CHECKING:
-    from minivllm.tour import Tour
+
+
+class Tour(Protocol):
+    """What the runs read and set on tour.py's ``Tour`` (named here, not imported: no circle)."""
+    out: TextIO
+    tokenizer: Any
+    instance: str
+    summary: list[str]
 
 SPEC_PROMPTS = ["one two three four five, one two three four five, one two three",
                 "Hello, my name is", "The president of the United States is"]

@@ -133,6 +133,14 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # Verification past the article (vLLM 0.32's names): "standard" is the article's token-wise
+    # rule, "block" block verification (sample/rejection_block.py); synthetic_acceptance_* belong
+    # to vLLM's "synthetic" mode, which minivllm refuses by name (speculative_options.py).
+    rejection_sample_method: str = "standard"
+    synthetic_acceptance_rates: Optional[list[float]] = None
+    synthetic_acceptance_length: Optional[float] = None
+    # Dynamic k: [(start, end, k), ...] picks this step's k from the batch size (spec_decode/dynamic.py)
+    num_speculative_tokens_per_batch_size: Optional[list] = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -154,7 +162,10 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= "
                                  f"prompt_lookup_max ({hi}).")
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
-        if differs_from_defaults(self, ("method", "ngram_match", "draft_sample_method")):
+        if differs_from_defaults(self, ("method", "ngram_match", "draft_sample_method",
+                                         "rejection_sample_method", "synthetic_acceptance_rates",
+                                         "synthetic_acceptance_length",
+                                         "num_speculative_tokens_per_batch_size")):
             # The options the article's n-gram example leaves at their defaults, and those of the
             # methods that came after it, are checked beside this class, in a module loaded only
             # when one of them is asked for.

@@ -33,9 +33,34 @@ def check_drafter_options(spec: "SpeculativeConfig") -> None:
                          "have no distribution).")
     if spec.method == "suffix":   # vLLM checks these for this method only
         check_suffix_options(spec)
+    check_verification_options(spec)
     if spec.method != "draft_model" and spec.draft_num_layers is not None:
         raise ValueError("speculative_config.draft_num_layers is for method 'draft_model' "
                          f"only, not {spec.method!r}.")
+
+
+REJECTION_SAMPLE_METHODS = ("standard", "block")
+
+
+def check_verification_options(spec: "SpeculativeConfig") -> None:
+    """vLLM 0.32's checks on ``rejection_sample_method`` and on the dynamic-k schedule. minivllm has
+    no watermarking, so vLLM's "watermarking only with 'standard'" has nothing to check here."""
+    if spec.rejection_sample_method == "synthetic":
+        raise ValueError("speculative_config.rejection_sample_method='synthetic' (vLLM's synthetic "
+                         "acceptance rates, a benchmarking mode that accepts drafts at a set rate "
+                         "whatever the models say) is not built in minivllm; use 'standard' (the "
+                         "article's token-wise rule) or 'block' (block verification).")
+    if spec.rejection_sample_method not in REJECTION_SAMPLE_METHODS:
+        raise ValueError(f"speculative_config.rejection_sample_method must be one of "
+                         f"{REJECTION_SAMPLE_METHODS}, got {spec.rejection_sample_method!r}.")
+    if spec.synthetic_acceptance_rates is not None or spec.synthetic_acceptance_length is not None:
+        raise ValueError("speculative_config.synthetic_acceptance_rates / "
+                         "synthetic_acceptance_length are only valid with "
+                         "rejection_sample_method='synthetic'.")
+    if spec.num_speculative_tokens_per_batch_size is not None:
+        from minivllm.spec_decode.dynamic import validate_and_normalize_dynamic_sd_schedule
+        spec.num_speculative_tokens_per_batch_size = validate_and_normalize_dynamic_sd_schedule(
+            spec.num_speculative_tokens_per_batch_size)
 
 
 def check_suffix_options(spec: "SpeculativeConfig") -> None:

@@ -59,6 +59,9 @@ def _kernels(backend: str) -> tuple:
     if backend == "reference":
         from minivllm.sample.rejection_reference import rejection_random_sample_reference
         return T.rejection_greedy_sample_torch, rejection_random_sample_reference
+    if backend == "block":   # rejection_sample_method="block": block verification (rejection_block.py)
+        from minivllm.sample.rejection_block import block_random_sample
+        return T.rejection_greedy_sample_torch, block_random_sample
     if backend == "torch":
         return T.rejection_greedy_sample_torch, functools.partial(
             T.race_random_sample, T.sample_recovered_tokens_torch, T.rejection_random_sample_torch)
@@ -107,7 +110,8 @@ def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_dra
 
 class RejectionSampler(nn.Module):
     """``backend``: "torch", "triton", "reference" (the article's rule as it reads:
-    rejection_reference.py), or "auto": ``$MINIVLLM_REJECTION_SAMPLER`` when set (the tour's
+    rejection_reference.py), "block" (block verification, ``rejection_sample_method="block"``:
+    rejection_block.py), or "auto": ``$MINIVLLM_REJECTION_SAMPLER`` when set (the tour's
     ``--plain`` sets "reference"), else Triton on CUDA and the torch loop otherwise.
 
     With ``record = True`` (or inside a recording trace step) each call leaves ``last_record``: per request, per
@@ -123,9 +127,9 @@ class RejectionSampler(nn.Module):
         if backend == "auto":
             backend = os.environ.get("MINIVLLM_REJECTION_SAMPLER") or (
                 "triton" if torch.cuda.is_available() else "torch")
-        if backend not in ("torch", "triton", "reference"):
-            raise ValueError(f"backend must be 'auto', 'torch', 'triton' or 'reference' (also for "
-                             f"MINIVLLM_REJECTION_SAMPLER), got {backend!r}.")
+        if backend not in ("torch", "triton", "reference", "block"):
+            raise ValueError(f"backend must be 'auto', 'torch', 'triton', 'reference' or 'block' "
+                             f"(also for MINIVLLM_REJECTION_SAMPLER), got {backend!r}.")
         self.backend = backend
         self.record = False
         self.last_record: Optional[list[list[dict]]] = None

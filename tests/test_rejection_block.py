@@ -244,3 +244,23 @@ def test_configuration_checks():
         SpeculativeConfig(rejection_sample_method="tree")
     with pytest.raises(ValueError, match="only valid with rejection_sample_method='synthetic'"):
         SpeculativeConfig(synthetic_acceptance_length=2.0)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_engine_runs_block_verification(tiny_llama_dir):
+    """The engine picks the block backend from the configuration; greedy output is unchanged, and
+    sampled requests run through it."""
+    from conftest import runner_of, tiny_llm
+    from minivllm import SamplingParams
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+            "prompt_lookup_max": 3, "rejection_sample_method": "block"}
+    prompt = {"prompt_token_ids": [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]}
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    plain = tiny_llm(tiny_llama_dir).generate([prompt], greedy, use_tqdm=False)
+    llm = tiny_llm(tiny_llama_dir, spec)
+    assert runner_of(llm).rejection_sampler.backend == "block"
+    assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == \
+        plain[0].outputs[0].token_ids
+    outs = llm.generate([prompt] * 3, SamplingParams(temperature=0.8, max_tokens=10, seed=1,
+                                                     ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 10 for o in outs)

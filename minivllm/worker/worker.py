@@ -60,6 +60,8 @@ MODEL_RUNNER_MIXINS: tuple[tuple[Callable[[VllmConfig], bool], str], ...] = (
     (lambda c: c.speculative_config is not None
      and c.speculative_config.draft_sample_method == "probabilistic",
      "minivllm.worker.vllm_today.draft_probs.ProbabilisticDraftsMixin"),
+    (lambda c: bool(c.speculative_config and c.speculative_config.num_speculative_tokens_per_batch_size),
+     "minivllm.worker.vllm_today.dynamic_k.DynamicSpecTokensMixin"),
 )
 
 

@@ -264,3 +264,57 @@ def test_engine_runs_block_verification(tiny_llama_dir):
     outs = llm.generate([prompt] * 3, SamplingParams(temperature=0.8, max_tokens=10, seed=1,
                                                      ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 10 for o in outs)
+
+
+def test_real_model_rows_follow_the_target(smollm2_dir):
+    """Monte Carlo on SmolLM2's own rows: the target at temperature 0.8 and top-k 6 after a prompt
+    and after each of its 6 candidates, drafts from a self-draft (the first 6 layers) at the same
+    settings. Block verification's pair of tokens fits p1(x) p2(y | x) (chi-squared), as the
+    token-wise rule's does."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    ids = tok.apply_chat_template([{"role": "user", "content": "Name a colour."}],
+                                  add_generation_prompt=True, tokenize=False)
+    ids = tok(ids, add_special_tokens=False)["input_ids"]
+
+    def rows(contexts):   # target and self-draft distributions after each context, top-6 at 0.8
+        with torch.no_grad():
+            out = model(torch.tensor(contexts), output_hidden_states=True)
+            shallow = model.lm_head(model.model.norm(out.hidden_states[6][:, -1]))
+        def constrain(logits):
+            logits = logits / 0.8
+            kth = logits.topk(6, dim=-1).values[:, -1:]
+            return logits.masked_fill(logits < kth, -math.inf).softmax(-1).double()
+        return constrain(out.logits[:, -1]), constrain(shallow)
+    p1, q1 = rows([ids])
+    support = sorted(set((p1[0] > 0).nonzero().view(-1).tolist()) | set((q1[0] > 0).nonzero().view(-1).tolist()))
+    p2_rows, q2_rows = rows([ids + [x] for x in support])
+    vocab_ids = sorted(set(support) | set((p2_rows > 0).nonzero()[:, 1].tolist())
+                       | set((q2_rows > 0).nonzero()[:, 1].tolist()))
+    V = len(vocab_ids)   # the tokens any of these rows can give, renumbered 0..V-1
+    col = torch.tensor(vocab_ids)
+    p1, q1 = p1[:, col].float(), q1[:, col].float()
+    p2, q2 = torch.zeros(V, V), torch.full((V, V), 1.0 / V)
+    for r, x in enumerate(support):
+        p2[vocab_ids.index(x)] = p2_rows[r, col].float()
+        q2[vocab_ids.index(x)] = q2_rows[r, col].float()
+    gen, n = torch.Generator().manual_seed(11), 30_000
+    x1 = torch.multinomial(q1[0], n, replacement=True, generator=gen)
+    x2 = torch.multinomial(q2[x1], 1, generator=gen).squeeze(1)
+    md = SpecDecodeMetadata.make_dummy(torch.stack([x1, x2], 1).tolist())
+    logits = torch.stack([p1[0].log().expand(n, V), p2[x1].log()], 1).reshape(2 * n, V)
+    q = torch.stack([q1[0].expand(n, V), q2[x1]], 1).reshape(2 * n, V)
+    torch.manual_seed(4)
+    out = RejectionSampler("block")(md, q, logits, torch.zeros(n, 1, dtype=torch.long), _metadata(n))
+    y1, y2 = out[:, 0].long(), out[:, 1].long()
+    missing = y2 == PLACEHOLDER_TOKEN_ID
+    y2[missing] = torch.multinomial(p2[y1[missing]], 1, generator=gen).squeeze(1)
+    expected = (p1[0].double().unsqueeze(1) * p2.double()).reshape(-1).numpy()
+    expected /= expected.sum()
+    counts = np.bincount((y1 * V + y2).numpy(), minlength=V * V)
+    keep = expected * n >= 5   # chi-squared needs 5 expected per cell: the rare cells pooled
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum()) * n
+    assert counts[expected == 0].sum() == 0
+    assert chisquare(obs, exp).pvalue > 1e-3

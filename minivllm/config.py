@@ -163,9 +163,8 @@ class SpeculativeConfig:
                                  f"prompt_lookup_max ({hi}).")
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
         if differs_from_defaults(self, ("method", "ngram_match", "draft_sample_method",
-                                         "rejection_sample_method", "synthetic_acceptance_rates",
-                                         "synthetic_acceptance_length",
-                                         "num_speculative_tokens_per_batch_size")):
+                                        "rejection_sample_method", "synthetic_acceptance_rates",
+                                        "synthetic_acceptance_length", "num_speculative_tokens_per_batch_size")):
             # The options the article's n-gram example leaves at their defaults, and those of the
             # methods that came after it, are checked beside this class, in a module loaded only
             # when one of them is asked for.

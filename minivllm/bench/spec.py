@@ -9,14 +9,15 @@ A third kind, *repeated*: the same editing instruction on similar code snippets 
 the workload where suffix decoding's global tree pays (a request drafts from earlier requests'
 outputs); it runs ``--repeated-prompts`` requests one after another and, batched, ``--batch``.
 Each kind runs with one request at a time (``--batch1-prompts`` of them, one after another) and
-with ``--batch`` concurrent requests. Methods: plain decoding, n-gram with vLLM's first-match rule
+with ``--batch`` concurrent requests (a list, each up to 32: past a kind's prompts they repeat). Methods: plain decoding, n-gram with vLLM's first-match rule
 and with the last-match rule the article suggests, suffix decoding (vLLM 0.32's ``method="suffix"``,
 its default options; each cell starts with an empty global tree, so no run drafts from an earlier
 run of the same prompts), a self-draft (the first ``--draft-layers``
 layers), the learned drafters EAGLE, EAGLE-3 and Medusa (the heads shipped in
 ``minivllm/spec_decode/heads/``, or ``--heads-dir``), and Hugging Face ``generate()`` plain and with
 ``prompt_lookup_num_tokens=k`` (assisted generation runs at batch 1 only in transformers, so the HF
-rows are batch 1 only).
+rows are batch 1 only). ``ngram dynamic`` is n-gram first with dynamic k
+(``num_speculative_tokens_per_batch_size``, ``--dynamic``); ``--methods`` keeps only the named rows.
 
 Columns: output tokens per second (wall clock of ``generate`` after a warm-up, best of
 ``--repeats``; the methods take turns cell by cell, so a change in machine load hits them alike);

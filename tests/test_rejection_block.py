@@ -318,3 +318,22 @@ def test_real_model_rows_follow_the_target(smollm2_dir):
     exp = np.append(expected[keep], expected[~keep].sum()) * n
     assert counts[expected == 0].sum() == 0
     assert chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_record_follows_the_block_rule():
+    """The verify record reads what was kept from the output, so its accepted/recovered/bonus
+    kinds hold under block verification (whose test is u <= h, not p_target / p_draft >= u)."""
+    gen = torch.Generator().manual_seed(9)
+    n, V = 40, 6
+    drafts = torch.randint(V, (n, 3), generator=gen).tolist()
+    logits = torch.randn(3 * n, V, generator=gen)
+    q = torch.softmax(torch.randn(3 * n, V, generator=gen) * 2, -1)
+    sampler = RejectionSampler("block")
+    sampler.record = True
+    out = sampler(SpecDecodeMetadata.make_dummy(drafts), q, logits, torch.zeros(n, 1, dtype=torch.long),
+                  _metadata(n))
+    for row, rec in zip(out.tolist(), sampler.last_record):
+        emitted = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
+        assert [p["kind"] for p in rec] == ["accepted"] * (len(emitted) - 1) + [
+            "bonus" if len(emitted) == 4 else "recovered"]
+        assert [p["output_token_id"] for p in rec] == emitted

@@ -17,40 +17,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-DynamicSDSchedule = list[tuple[int, int, int]]
-
-
-def validate_and_normalize_dynamic_sd_schedule(schedule: object) -> DynamicSDSchedule:
-    """vLLM 0.32's checks: a non-empty list of ``(range_start, range_end, k)``, ranges positive,
-    ``start <= end``, ``k >= 0``, non-overlapping once sorted by start, and the first range starts
-    at 1 so every batch size has a k. -> the entries as int tuples, sorted by start."""
-    name = "speculative_config.num_speculative_tokens_per_batch_size"
-    if not isinstance(schedule, list) or not schedule:
-        raise ValueError(f"{name} must be a non-empty list of (range_start, range_end, "
-                         f"num_speculative_tokens) entries, got {schedule!r}.")
-    parsed: DynamicSDSchedule = []
-    for entry in schedule:
-        if not isinstance(entry, (list, tuple)) or len(entry) != 3:
-            raise ValueError(f"each {name} entry must be a 3-item sequence (range_start, "
-                             f"range_end, num_speculative_tokens), got {entry!r}.")
-        start, end, k = (int(v) for v in entry)
-        if start <= 0 or end <= 0:
-            raise ValueError(f"{name}: batch-size range ({start}, {end}) must be positive.")
-        if start > end:
-            raise ValueError(f"{name}: range start must be <= end in ({start}, {end}, {k}).")
-        if k < 0:
-            raise ValueError(f"{name}: the number of speculative tokens must be >= 0, got {k}.")
-        parsed.append((start, end, k))
-    parsed.sort(key=lambda e: e[0])
-    previous_end = 0
-    for start, end, _ in parsed:
-        if start <= previous_end:
-            raise ValueError(f"{name}: batch-size ranges must not overlap, got {parsed}.")
-        previous_end = end
-    if parsed[0][0] != 1:
-        raise ValueError(f"{name}: the first range must start at 1 so that every batch size has "
-                         f"a k, got {parsed}.")
-    return parsed
+# The schedule's checks run when the configuration is made, so they sit below the drafters, beside
+# the configuration's other speculative checks; vLLM keeps them in this file.
+from minivllm.speculative_options import validate_and_normalize_dynamic_sd_schedule  # noqa: F401
 
 
 def build_dynamic_sd_schedule_lookup(schedule: object, max_batch_size: int,

@@ -134,6 +134,14 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # Verification past the article (vLLM 0.32's names): "standard" is the article's token-wise
+    # rule, "block" block verification (sample/rejection_block.py); synthetic_acceptance_* belong
+    # to vLLM's "synthetic" mode, which minivllm refuses by name (speculative_options.py).
+    rejection_sample_method: str = "standard"
+    synthetic_acceptance_rates: Optional[list[float]] = None
+    synthetic_acceptance_length: Optional[float] = None
+    # Dynamic k: [(start, end, k), ...] picks this step's k from the batch size (spec_decode/dynamic.py)
+    num_speculative_tokens_per_batch_size: Optional[list] = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:

@@ -35,3 +35,17 @@ def test_breakdown_of_a_spec_decode_run(tiny_llama_dir):
     every = sum(p.numel() * 4 for p in model.parameters())
     assert 0 < nbytes <= every
     assert profile.copy_bandwidth(8 << 20, rounds=2) > 1e8   # > 0.1 GB/s on any machine
+
+
+def test_suffix_tree_work_is_timed_apart_inside_the_drafter(tiny_llama_dir):
+    """--method suffix: the proposer's calls into its trees get the "suffix tree" row, taken out
+    of the drafter's (which is otherwise opaque)."""
+    llm = tiny_llm(tiny_llama_dir, dict(method="suffix", num_speculative_tokens=3), dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = generate_tokens(llm, PROMPTS, params)
+    timers = profile.StepTimers()
+    profile.install(llm, timers)
+    assert generate_tokens(llm, PROMPTS, params) == want
+    assert timers.total["suffix tree"] > 0 and timers.total["drafter"] > 0
+    assert timers.inclusive["drafter"] >= timers.total["drafter"] + timers.total["suffix tree"] - 1e-6
+    assert profile.METHODS["suffix"]["method"] == "suffix"

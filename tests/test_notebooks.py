@@ -202,7 +202,11 @@ EXPECTED = {
                                       "identical greedy tokens with and without speculation: True",
                                       "drafts counted (the sampler)", "<- differs",
                                       "identical greedy tokens with frequency_penalty, with and "
-                                      "without speculation: True"],
+                                      "without speculation: True",
+                                      # block verification: the worked example, then the figure's
+                                      "token-wise: p/q = 0.50 < u = 0.7: keeps 0 drafts, recovers b",
+                                      "keeps 2 drafts, then the bonus token",
+                                      "accepted drafts per verify step"],
     "03_disaggregated_prefill_decode.ipynb": ["num_cached_tokens 16 of",
                                               "decode after a KV load == single instance: True",
                                               "same first token: True",

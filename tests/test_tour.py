@@ -166,6 +166,7 @@ def test_tour_spec_plain_verifies_with_the_article_rule(tiny_llama_dir, monkeypa
     _check_stops(t.stops, tour.TOURS["spec"])
     out = buf.getvalue()
     assert "self.backend = 'reference'" in out.split("\nspec.7\n", 1)[1]
+    assert "rule: the article's token-wise rule" in out.split("\nspec.7\n", 1)[1]
     assert calls, "the random rows did not go through accept_or_recover"
     assert "MINIVLLM_REJECTION_SAMPLER" not in os.environ
     forward = out.split("\nspec.1.forward\n", 1)[1].split("\nspec.1\n", 1)[0]

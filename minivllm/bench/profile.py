@@ -37,7 +37,12 @@ import time
 from collections import defaultdict
 
 CATEGORIES = ("projections", "LM head", "attention", "norm and rotary", "sampling or rejection",
-              "drafter", "scheduler", "input preparation", "model other", "other")
+              "drafter", "suffix tree", "scheduler", "input preparation", "model other", "other")
+# --method: the speculative_config of each method (bench vllm's configs), none for "plain".
+METHODS = {"plain": None,
+           "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 3,
+                     "prompt_lookup_max": 5},
+           "suffix": {"method": "suffix", "num_speculative_tokens": 3}}
 THIS_TREE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -47,6 +52,8 @@ class StepTimers:
     is timed apart: all of it is the drafter's."""
 
     OPAQUE = ("drafter",)
+    # Timed apart even inside an opaque category: suffix decoding's tree work within the drafter.
+    INSIDE_OPAQUE = ("suffix tree",)
 
     def __init__(self) -> None:
         self.total = defaultdict(float)       # exclusive seconds per category
@@ -57,7 +64,8 @@ class StepTimers:
         clock = time.perf_counter
 
         def timed(*args, **kwargs):
-            if self._stack and self._stack[-1][0] in self.OPAQUE:
+            if (self._stack and self._stack[-1][0] in self.OPAQUE
+                    and category not in self.INSIDE_OPAQUE):
                 return fn(*args, **kwargs)
             frame = [category, clock(), 0.0]
             self._stack.append(frame)
@@ -100,6 +108,11 @@ def install(llm, timers: StepTimers) -> None:
         setattr(runner, name, timers.wrap(getattr(runner, name), "input preparation"))
     if runner.drafter is not None:
         runner.propose_draft_token_ids = timers.wrap(runner.propose_draft_token_ids, "drafter")
+    cache = getattr(runner.drafter, "suffix_cache", None)
+    if cache is not None:   # the tree work: every call the proposer makes into the trees
+        for name in ("start_request", "stop_request", "add_active_response",
+                     "evict_cached_response", "speculate"):
+            setattr(cache, name, timers.wrap(getattr(cache, name), "suffix tree"))
     if hasattr(runner, "_sample"):   # the runner's two ways to pick the tokens
         for name in ("_sample", "_rejection_sample"):
             setattr(runner, name, timers.wrap(getattr(runner, name), "sampling or rejection"))
@@ -149,19 +162,36 @@ def copy_bandwidth(nbytes: int = 256 << 20, rounds: int = 5) -> float:
     return 2 * nbytes / best
 
 
+def _repeated_work(llm, workload: str, max_tokens: int) -> list[tuple[str, int]]:
+    """``bench spec``'s repeated edits through the chat template, as ``bench vllm``'s suffix cells:
+    "repeated1" 4 prompts one after another, "repeated8" 8 at once."""
+    from minivllm.bench.spec import REPEATED
+    tok = llm.get_tokenizer()
+    n = 4 if workload == "repeated1" else 8
+    return [(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                     add_generation_prompt=True), max_tokens) for t in REPEATED[:n]]
+
+
 def run_cell(dtype: str, workload: str, single_tokens: int, batch_max_tokens: int = 0,
-             untimed: bool = True, **llm_kwargs) -> dict:
+             untimed: bool = True, method: str = "plain", **llm_kwargs) -> dict:
     """One cell; ``llm_kwargs`` go to ``LLM`` (tests pass a tiny model). ``batch_max_tokens``
-    caps the 32 requests' output lengths (0: ``bench throughput``'s 16-96)."""
+    caps the 32 requests' output lengths (0: ``bench throughput``'s 16-96); for the repeated
+    workloads it is each request's output length (0: 128, stopping at EOS as ``bench vllm``)."""
     import torch
 
     from minivllm import LLM, SamplingParams
     from minivllm.bench.throughput import BASE_TEXT, QUESTIONS, make_workload
-    work = [(BASE_TEXT * 2 + QUESTIONS[0], single_tokens)] if workload == "single" \
-        else [(p, min(n, batch_max_tokens or n)) for p, n in make_workload(32)]
-    llm = LLM(dtype=dtype, **llm_kwargs)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
+    llm = LLM(dtype=dtype, speculative_config=METHODS[method], **llm_kwargs)
+    repeated = workload.startswith("repeated")
+    if repeated:
+        work = _repeated_work(llm, workload, batch_max_tokens or 128)
+    else:
+        work = [(BASE_TEXT * 2 + QUESTIONS[0], single_tokens)] if workload == "single" \
+            else [(p, min(n, batch_max_tokens or n)) for p, n in make_workload(32)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=not repeated)
+              for _, n in work]
     prompts = [p for p, _ in work]
+    groups = [[i] for i in range(len(work))] if workload == "repeated1" else [list(range(len(work)))]
     llm.generate(prompts[:1], [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)],
                  use_tqdm=False)   # warm-up
     core = llm.llm_engine.engine_core
@@ -175,8 +205,14 @@ def run_cell(dtype: str, workload: str, single_tokens: int, batch_max_tokens: in
             step_times.append(time.perf_counter() - t0)
             return out
         core.step = step
+        drafter = core.worker.model_runner.drafter
+        if hasattr(drafter, "suffix_cache"):   # each run from an empty cache, as bench spec
+            drafter.suffix_cache.__init__(drafter.suffix_cache.max_tree_depth,
+                                          drafter.suffix_cache.max_cached_requests)
+            drafter.num_tokens_seen = {}
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = [o for g in groups for o in llm.generate([prompts[i] for i in g],
+                                                        [params[i] for i in g], use_tqdm=False)]
         elapsed = time.perf_counter() - t0
         core.step = plain_step
         return sum(len(o.outputs[0].token_ids) for o in outs), elapsed, sorted(step_times)
@@ -196,7 +232,8 @@ def run_cell(dtype: str, workload: str, single_tokens: int, batch_max_tokens: in
     model = core.worker.model_runner.model
     bw = copy_bandwidth()
     wbytes = weight_bytes_per_token(model)
-    return {"dtype": dtype, "workload": workload, "requests": len(work), "tokens": tokens,
+    return {"dtype": dtype, "workload": workload, "method": method, "requests": len(work),
+            "tokens": tokens,
             "seconds": elapsed, "tokens_per_s": tokens / elapsed, "steps": steps,
             "median_step_ms": step_times[len(step_times) // 2] * 1e3,
             "timed_step_ms": total / steps * 1e3, "breakdown_ms": per_step, "untimed": untimed,
@@ -222,7 +259,8 @@ def print_table(results: dict, labels: list[str]) -> None:
     cells = sorted({(r["dtype"], r["workload"]) for r in results.values()}, key=lambda c: (
         c[0] != "float32", c[1] != "single"))
     cols = [(lab, d, w) for d, w in cells for lab in labels]
-    head = f"{'ms per step':22}" + "".join(f"{lab[:8] + ' ' + d[:4] + (' 1' if w == 'single' else ' 32'):>17}"
+    short = {"single": " 1", "batch32": " 32", "repeated1": " rep1", "repeated8": " rep8"}
+    head = f"{'ms per step':22}" + "".join(f"{lab[:8] + ' ' + d[:4] + short.get(w, ' ' + w):>17}"
                                           for lab, d, w in cols)
     print(head)
     print("-" * len(head))
@@ -245,7 +283,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench profile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--workloads", default="single,batch32")
+    ap.add_argument("--workloads", default="single,batch32",
+                    help="single, batch32, repeated1, repeated8 (bench spec's repeated edits, "
+                    "as bench vllm's suffix cells)")
+    ap.add_argument("--method", default="plain", choices=sorted(METHODS),
+                    help="speculative decoding in every cell (bench vllm's n-gram and suffix "
+                    "configs); suffix decoding's calls into its trees get a row of their own")
     ap.add_argument("--single-tokens", type=int, default=64)
     ap.add_argument("--batch-max-tokens", type=int, default=0,
                     help="cap the 32 requests' output lengths (default: 16-96 as bench throughput)")
@@ -260,7 +303,8 @@ def main(argv=None) -> None:
     if args.cell:
         dtype, workload = args.cell.split(":")
         print("RESULT " + json.dumps(run_cell(dtype, workload, args.single_tokens,
-                                              args.batch_max_tokens, not args.skip_untimed)))
+                                              args.batch_max_tokens, not args.skip_untimed,
+                                              args.method)))
         return
     if args.base and not os.path.isdir(os.path.join(args.base, "minivllm")):
         raise SystemExit(f"--base {args.base!r} is not a minivllm checkout (no minivllm/ in it).")
@@ -272,7 +316,7 @@ def main(argv=None) -> None:
     for i, (lab, tree, d, w) in enumerate(jobs, 1):
         print(f"[{i}/{len(jobs)}] {lab} {d} {w} ...", flush=True)
         cell_args = ["--single-tokens", str(args.single_tokens), "--batch-max-tokens",
-                     str(args.batch_max_tokens)] + (["--skip-untimed"] if args.skip_untimed else [])
+                     str(args.batch_max_tokens), "--method", args.method] + (["--skip-untimed"] if args.skip_untimed else [])
         run = _run_in(tree, f"{d}:{w}", cell_args)
         best = results.get((lab, d, w))
         if best is None or run["tokens_per_s"] > best["tokens_per_s"]:

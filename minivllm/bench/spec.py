@@ -9,14 +9,15 @@ A third kind, *repeated*: the same editing instruction on similar code snippets 
 the workload where suffix decoding's global tree pays (a request drafts from earlier requests'
 outputs); it runs ``--repeated-prompts`` requests one after another and, batched, ``--batch``.
 Each kind runs with one request at a time (``--batch1-prompts`` of them, one after another) and
-with ``--batch`` concurrent requests. Methods: plain decoding, n-gram with vLLM's first-match rule
+with ``--batch`` concurrent requests (a list, each up to 32: past a kind's prompts they repeat). Methods: plain decoding, n-gram with vLLM's first-match rule
 and with the last-match rule the article suggests, suffix decoding (vLLM 0.32's ``method="suffix"``,
 its default options; each cell starts with an empty global tree, so no run drafts from an earlier
 run of the same prompts), a self-draft (the first ``--draft-layers``
 layers), the learned drafters EAGLE, EAGLE-3 and Medusa (the heads shipped in
 ``minivllm/spec_decode/heads/``, or ``--heads-dir``), and Hugging Face ``generate()`` plain and with
 ``prompt_lookup_num_tokens=k`` (assisted generation runs at batch 1 only in transformers, so the HF
-rows are batch 1 only).
+rows are batch 1 only). ``ngram dynamic`` is n-gram first with dynamic k
+(``num_speculative_tokens_per_batch_size``, ``--dynamic``); ``--methods`` keeps only the named rows.
 
 Columns: output tokens per second (wall clock of ``generate`` after a warm-up, best of
 ``--repeats``; the methods take turns cell by cell, so a change in machine load hits them alike);
@@ -181,7 +182,14 @@ def main(argv=None) -> None:
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     ap.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
-    ap.add_argument("--batch", type=int, default=8, help="concurrent requests (max 8)")
+    ap.add_argument("--batch", default="8", help="concurrent requests, or a comma list of batch "
+                    "sizes (each <= 32; past a kind's prompts they repeat, e.g. 8 prompts x 4 at 32)")
+    ap.add_argument("--methods", default=None, help="comma list: run only these rows (e.g. "
+                    "'plain,ngram first,ngram dynamic')")
+    ap.add_argument("--dynamic", default="1-4:3,5-16:1,17-1024:0",
+                    help="the 'ngram dynamic' row's num_speculative_tokens_per_batch_size as "
+                    "START-END:K,... (default from the roofline: k=3 where a 4-token verify costs "
+                    "a plain step, k=1 at batch 8, none once the batch is compute-bound); '' drops it")
     ap.add_argument("--batch1-prompts", type=int, default=2,
                     help="prompts of each kind run one at a time")
     ap.add_argument("--repeated-prompts", type=int, default=4,
@@ -204,8 +212,9 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true",
                     help="also profile one batch-1 grounded n-gram run and print where time goes")
     args = ap.parse_args(argv)
-    if not 1 <= args.batch <= len(GROUNDED):
-        ap.error(f"--batch must be in [1, {len(GROUNDED)}]")
+    batches = [int(b) for b in str(args.batch).split(",") if b]
+    if not all(1 <= b <= 32 for b in batches):
+        ap.error("--batch: each batch size must be in [1, 32]")
 
     import torch
     from tqdm.auto import tqdm
@@ -226,11 +235,11 @@ def main(argv=None) -> None:
         if kind not in args.kinds.split(","):
             continue
         cells[(kind, 1)] = [chat(t) for t in texts[:n]]
-        if args.batch > 1:
-            cells[(kind, args.batch)] = [chat(t) for t in texts[:args.batch]]
+        for b in (b for b in batches if b > 1):
+            cells[(kind, b)] = [chat(texts[i % len(texts)]) for i in range(b)]
     k = args.k
     longest = max(len(tok.encode(p)) for ps in cells.values() for p in ps)
-    num_blocks = args.batch * -(-(longest + args.max_tokens + k) // 16) + 2
+    num_blocks = max(batches) * -(-(longest + args.max_tokens + k) // 16) + 2
 
     print(f"{args.model}, greedy, up to {args.max_tokens} output tokens per request; k={k}, "
           f"n-gram sizes {args.lookup_min}..{args.lookup_max}; torch threads "
@@ -239,6 +248,11 @@ def main(argv=None) -> None:
              "ngram first": ngram(k, args.lookup_min, args.lookup_max, "first"),
              "ngram last": ngram(k, args.lookup_min, args.lookup_max, "last"),
              "suffix": dict(method="suffix", num_speculative_tokens=k)}
+    if args.dynamic:   # dynamic k: the schedule picks k from the batch size (spec_decode/dynamic.py)
+        specs["ngram dynamic"] = dict(ngram(k, args.lookup_min, args.lookup_max, "first"),
+                                      num_speculative_tokens_per_batch_size=[
+                                          [*map(int, r.split(":")[0].split("-")), int(r.split(":")[1])]
+                                          for r in args.dynamic.split(",")])
     if args.draft_layers:
         specs[f"self-draft L{args.draft_layers}"] = dict(
             method="draft_model", num_speculative_tokens=k, draft_num_layers=args.draft_layers)
@@ -249,6 +263,9 @@ def main(argv=None) -> None:
         # The engines get the resolved checkpoint path, so the head is named explicitly.
         specs[method] = dict(method=method, num_speculative_tokens=k, model=os.path.join(
             args.heads_dir, method) if args.heads_dir else shipped_head_dir(method))
+    if args.methods:
+        keep = [m.strip() for m in args.methods.split(",")]
+        specs = {name: spec for name, spec in specs.items() if name in keep or name == "plain"}
     runners = {}
     for name, spec in tqdm(specs.items(), desc="loading engines", dynamic_ncols=True):
         runners[name] = MiniVLLMRunner(path, spec, args.max_tokens, num_blocks)

@@ -267,6 +267,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--max-tokens", type=int, default=128, help="spec table: tokens per request")
     ap.add_argument("--no-spec", action="store_true", help="skip the n-gram table")
+    ap.add_argument("--kinds", default="grounded,open,repeated", help="the spec table's prompt "
+                    "kinds (repeated: suffix decoding's cells)")
     ap.add_argument("--no-throughput", action="store_true", help="skip the throughput table")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per cell")
     ap.add_argument("--no-hf", action="store_true", help="no Hugging Face column")
@@ -286,7 +288,7 @@ def main(argv=None) -> None:
     if not args.no_throughput:
         cells += [("throughput", d) for d in args.dtypes.split(",")]
     if not args.no_spec:
-        cells += [("grounded", "float32"), ("open", "float32"), ("repeated", "float32")]
+        cells += [(kind, "float32") for kind in args.kinds.split(",")]
     extra = ([] if args.no_hf else ["hf"]) + (["vllm_compiled"] if args.vllm_compiled else [])
     results: dict = {}
     for engine, kind, dtype in tqdm(plan_jobs(cells, extra, args.rounds),
@@ -325,7 +327,7 @@ def main(argv=None) -> None:
               f"{args.max_tokens} tokens (EOS stops)")
         print(f"{'prompts':<9}{'batch':>6}  {'engine':<9}{'tok/s':>8}{'drafts':>8}{'drafted':>8}"
               f"{'accepted':>9}  {'acc per pos':<15}{'acc len':>8}")
-        for kind in ("grounded", "open", "repeated"):
+        for kind in args.kinds.split(","):
             if kind == "repeated":
                 print(f"suffix, k={SUFFIX['num_speculative_tokens']}, vLLM's defaults, the same "
                       "edit on similar code (bench spec's repeated workload)")

@@ -106,3 +106,50 @@ def rejection_random_sample_reference(output_token_ids, num_draft_tokens, cu_num
             out = accepted + [int(bonus_token_ids[i]) if recovered is None else recovered]
             output_token_ids[i, :len(out)] = torch.tensor(out, dtype=torch.int32)
         start = end
+
+
+def block_verify(draft_token_ids: list[int], draft_probs: Optional[torch.Tensor],
+                 target_probs: torch.Tensor, uniforms: list[float],
+                 generator: Optional[torch.Generator] = None) -> tuple[list[int], Optional[int]]:
+    """Block verification (Sun et al. 2024, "Block Verification Accelerates Speculative Decoding",
+    Algorithm 2; vLLM 0.32's ``rejection_sample_method="block"``) for one request's k drafts, with
+    ``accept_or_recover``'s arguments and result. The block is judged jointly: ``p_i``, the joint
+    ratio of the first i drafts capped at 1, says how much of the prefix the target would have
+    produced; ``h_i`` weighs keeping that prefix against the mass the residual could still give
+    after it. The longest prefix whose draw passes is kept (no stop at the first failure), then one
+    token from the residual after it. Averaged over drafts drawn from the drafter it keeps at
+    least as many tokens as the token-wise rule, and each output is distributed as the target's.
+
+    Worked example (vocabulary {a, b}, drafts ``a a``, uniforms 0.7 then 0.6):
+    position 1: ``q = (a .8, b .2)``, ``p = (a .4, b .6)``; position 2: ``q = (a .5, b .5)``,
+    ``p = (a .9, b .1)``. Token-wise: ``.4 / .8 = .5 < .7``, the first draft is rejected and b is
+    drawn from ``max(p - q, 0) = (0, .4)``: 1 token. Block: ``p_1 = .5``, ``p_2 = min(.5 * .9 / .5,
+    1) = .9``; the mass after ``a`` is ``sum max(.5 * p - q, 0) = 0``, so ``h_1 = 0`` (0.7 fails),
+    and ``h_2 = p_2 = .9`` (0.6 passes): both drafts are kept and the bonus follows: 3 tokens."""
+    k = len(draft_token_ids)
+
+    def q(j: int) -> torch.Tensor:   # the drafter's row j; a one-hot draft's is its token
+        if draft_probs is not None:
+            return draft_probs[j]
+        return torch.zeros_like(target_probs[j]).index_fill_(0, torch.tensor(draft_token_ids[j]), 1.0)
+    p = [1.0]                        # p[i]: the first i drafts' joint ratio target/drafter, <= 1
+    tau = 0                          # how many drafts are kept
+    for i in range(1, k + 1):
+        x = draft_token_ids[i - 1]
+        if x < 0:                    # a placeholder drafted nothing: the block ends before it
+            break
+        q_x = q(i - 1)[x].item()
+        p.append(min(p[i - 1] * target_probs[i - 1, x].item() / q_x, 1.0) if q_x > 0 else 0.0)
+        if i < k and draft_token_ids[i] >= 0:   # what the residual after x_<=i could still give
+            residual_mass = (p[i] * target_probs[i] - q(i)).clamp_min(0.0).sum().item()
+            h = residual_mass / (residual_mass + 1.0 - p[i]) if residual_mass + 1.0 - p[i] > 0 else 1.0
+        else:                        # the last draft: keep the whole block with probability p_k
+            h = p[i]
+        if uniforms[i - 1] <= h:
+            tau = i                  # the longest passing prefix wins, not the first failure
+    if tau == k:
+        return list(draft_token_ids), None
+    residual = target_probs[tau] if draft_token_ids[tau] < 0 else \
+        (p[tau] * target_probs[tau] - q(tau)).clamp_min(0.0)
+    recovered = torch.multinomial(residual / residual.sum(), 1, generator=generator)
+    return draft_token_ids[:tau], int(recovered)

@@ -25,7 +25,8 @@ configured name: "reference" says the article's rule as it reads, one request at
 (``rejection_reference.py``; the tour's ``--plain``); "torch" (the torch loop,
 ``rejection_torch.py``) and "triton" (the kernels in ``rejection_kernels.py``, imported when they
 first run, so a CPU run never loads Triton) sample the residual by vLLM's exponential race
-(``race_random_sample``), so that their ids equal vLLM 0.32's from the same draws. The uniform draws
+(``race_random_sample``), so that their ids equal vLLM 0.32's from the same draws; "block"
+(``rejection_sample_method="block"``: ``rejection_block.py``) judges each request's drafts jointly. The uniform draws
 are made here in torch, once, for every backend. The torch loop writes its output as the article
 does (``accept_left_to_right``: per request, left to right, stop at the first rejection), the loop
 each program of the Triton kernels runs, and on a CPU it is the fast path.
@@ -135,7 +136,7 @@ def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_dra
                        bonus_token_ids, is_greedy, max_spec_len)
         if backend == "reference":
             rejection_reference.rejection_greedy_sample_reference(*greedy_args)
-        elif backend == "torch":
+        elif backend in ("torch", "block"):   # a greedy row keeps the argmax's run either way
             rejection_torch.rejection_greedy_sample_torch(*greedy_args)
         else:
             from minivllm.sample import rejection_kernels
@@ -148,6 +149,9 @@ def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_dra
                    target_probs, bonus_token_ids, uniform_probs, is_greedy, generators)
     if backend == "reference":   # the article's rule, one request at a time
         rejection_reference.rejection_random_sample_reference(*random_args)
+    elif backend == "block":     # block verification (rejection_sample_method="block")
+        from minivllm.sample.rejection_block import block_random_sample
+        block_random_sample(*random_args)
     elif backend == "torch":     # vLLM's race, in torch
         rejection_torch.race_random_sample(rejection_torch.sample_recovered_tokens_torch,
                                            rejection_torch.rejection_random_sample_torch,
@@ -162,7 +166,8 @@ def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_dra
 
 class RejectionSampler(nn.Module):
     """``backend``: "torch", "triton", "reference" (the article's rule as it reads:
-    rejection_reference.py), or "auto": ``$MINIVLLM_REJECTION_SAMPLER`` when set (the tour's
+    rejection_reference.py), "block" (block verification, ``rejection_sample_method="block"``:
+    rejection_block.py), or "auto": ``$MINIVLLM_REJECTION_SAMPLER`` when set (the tour's
     ``--plain`` sets "reference"), else Triton on CUDA and the torch loop otherwise.
 
     With ``record = True`` (or inside a recording trace step) each call leaves ``last_record``: per request, per
@@ -178,9 +183,9 @@ class RejectionSampler(nn.Module):
         if backend == "auto":
             backend = os.environ.get("MINIVLLM_REJECTION_SAMPLER") or (
                 "triton" if torch.cuda.is_available() else "torch")
-        if backend not in ("torch", "triton", "reference"):
-            raise ValueError(f"backend must be 'auto', 'torch', 'triton' or 'reference' (also for "
-                             f"MINIVLLM_REJECTION_SAMPLER), got {backend!r}.")
+        if backend not in ("torch", "triton", "reference", "block"):
+            raise ValueError(f"backend must be 'auto', 'torch', 'triton', 'reference' or 'block' "
+                             f"(also for MINIVLLM_REJECTION_SAMPLER), got {backend!r}.")
         self.backend = backend
         self.record = False
         self.last_record: Optional[list[list[dict]]] = None

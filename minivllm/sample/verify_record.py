@@ -110,6 +110,13 @@ def build_record(metadata: SpecDecodeMetadata, sampling_metadata: SamplingMetada
     greedy_tok, accepted, accepted_ignored = greedy_tok.tolist(), accepted.tolist(), accepted_ignored.tolist()
     argmax, argmax_ignored = target_argmax.tolist(), argmax_ignored.tolist()
     draft, out = draft.tolist(), output.tolist()
+    # What was kept is read from the output (every emitted token but the last is a kept draft), so
+    # the record holds under block verification too, whose test is not p_target / p_draft >= u.
+    start = 0
+    for i, n in enumerate(metadata.num_draft_tokens):
+        kept = sum(t != -1 for t in out[i]) - 1
+        accepted[start:start + n] = [j < kept for j in range(n)]
+        start += n
 
     records, start = [], 0
     for i, n in enumerate(metadata.num_draft_tokens):

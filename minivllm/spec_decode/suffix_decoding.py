@@ -91,7 +91,7 @@ class SuffixDecodingCache:
         and which tree it came from: ``"request"`` or ``"global"``."""
         if req_id not in self.local_trees:
             raise ValueError(f"Request '{req_id}' is not active")
-        context = list(context)[-self.max_tree_depth:]
+        context = list(context[-self.max_tree_depth:])   # a match is never deeper than the trees
         own = self.local_trees[req_id].speculate(context, max_spec_tokens, max_spec_factor,
                                                  min_token_prob)
         other = self.global_tree.speculate(context, max_spec_tokens, max_spec_factor,
@@ -141,13 +141,13 @@ class SuffixDecodingProposer(Proposer):
             self._add_new_tokens(req_id, context, int(batch.num_prompt_tokens[row]))
             # vLLM drafts up to k (and the model length) here and cuts at max_tokens later: the
             # cap changes which match scores best, so it is applied first, the limit after.
-            draft, tree = self.suffix_cache.speculate(
-                req_id, context[-self.max_tree_depth:],
+            draft, tree_name = self.suffix_cache.speculate(   # the context is cut to the depth there
+                req_id, context,
                 max_spec_tokens=min(self.num_speculative_tokens,
                                     self.max_model_len - num_tokens - 1),
                 max_spec_factor=self.max_spec_factor, min_token_prob=self.min_token_prob)
             self.last_match[req_id] = SuffixMatch(
-                context[num_tokens - draft.match_len:] if draft.match_len else [], tree,
+                context[num_tokens - draft.match_len:] if draft.match_len else [], tree_name,
                 [(t, c, p) for t, (c, p) in zip(draft.token_ids, draft.counts)], draft.probs)
             if limit > 0 and draft.token_ids:
                 drafts[req_id] = draft.token_ids[:limit]
@@ -160,8 +160,7 @@ class SuffixDecodingProposer(Proposer):
         """The request's tokens sampled this step into its tree (and the global one)."""
         cache = self.suffix_cache
         if req_id not in cache.active_requests:
-            if req_id in cache.cached_requests:   # a request id seen before (e.g. preempted)
-                cache.evict_cached_response(req_id)
+            # A request id seen before (e.g. preempted): start_request evicts its old response.
             cache.start_request(req_id, context[:num_prompt_tokens])
             # First seen right after its prefill (or a preempted request's recompute): it sampled
             # one token this step; vLLM adds only that one (earlier outputs are not re-added).

@@ -175,6 +175,9 @@ class SuffixTree:
             node = self.match(context[len(context) - match_len:])
             if node is None:
                 break                           # no longer suffix can match either
+            # arctic-inference's cap (suffix_tree.cc, speculate), float32 product and all: the
+            # + 1e-6 is its slack against a product that rounds to just under a whole number,
+            # which int() would truncate one token short; kept so the caps equal its own.
             cap = int(_f32(match_len * _f32(max_spec_factor)) + 1e-6)
             draft = self.walk(node, max(0, min(max_spec_tokens, cap)), min_token_prob)
             if draft.score >= best.score:

@@ -87,7 +87,8 @@ class ModelRunner:
             from minivllm.sample.rejection_sampler import RejectionSampler
             from minivllm.spec_decode import create_drafter
             self.drafter = create_drafter(vllm_config, device, dtype)
-            self.rejection_sampler = RejectionSampler(backend="auto")
+            self.rejection_sampler = RejectionSampler(backend="block" if (
+                self.speculative_config.rejection_sample_method == "block") else "auto")
         # EAGLE-3 reads residual streams of the target (vLLM's use_aux_hidden_state_outputs); the
         # learned drafters read this step's target states from target_step_outputs.
         self.use_aux_hidden_state_outputs = (self.speculative_config is not None

@@ -61,6 +61,8 @@ MODEL_RUNNER_MIXINS: tuple[tuple[Callable[[VllmConfig], bool], str], ...] = (
     (lambda c: c.speculative_config is not None
      and c.speculative_config.draft_sample_method == "probabilistic",
      "minivllm.worker.vllm_today.draft_probs.ProbabilisticDraftsMixin"),
+    (lambda c: bool(c.speculative_config and c.speculative_config.num_speculative_tokens_per_batch_size),
+     "minivllm.worker.vllm_today.dynamic_k.DynamicSpecTokensMixin"),
     # The article's KV-connector half, under the 0.32 overrides above: only with a connector.
     (lambda c: c.kv_transfer_config is not None and bool(c.kv_transfer_config.kv_connector),
      "minivllm.worker.kv_connector_model_runner_mixin.KVConnectorModelRunnerMixin"),

@@ -29,18 +29,32 @@ class AsyncScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         # One read-only list shared by all requests, as vLLM's _spec_token_placeholders.
         self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
+        # num_speculative_tokens_per_batch_size: this step's k sizes the placeholders, as the
+        # worker drafts that many (spec_decode/dynamic.py; vLLM's num_spec_tokens_to_schedule).
+        spec, self.dynamic_sd_lookup = self.vllm_config.speculative_config, None
+        if spec is not None and spec.num_speculative_tokens_per_batch_size:
+            from minivllm.spec_decode.dynamic import build_dynamic_sd_schedule_lookup
+            self.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
+                spec.num_speculative_tokens_per_batch_size,
+                self.vllm_config.scheduler_config.max_num_seqs, self.num_spec_tokens)
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         super()._update_after_schedule(scheduler_output)
         if not self.num_spec_tokens:
             return
+        placeholders = self._spec_token_placeholders
+        if self.dynamic_sd_lookup is not None:
+            from minivllm.spec_decode.dynamic import num_spec_tokens_to_schedule
+            placeholders = placeholders[:num_spec_tokens_to_schedule(
+                self.num_spec_tokens, self.dynamic_sd_lookup,
+                len(scheduler_output.num_scheduled_tokens))]
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests[req_id]
             # A partial prefill chunk samples nothing, so the worker drafts nothing for it
             # (vLLM's is_prefill_chunk).
             if request.num_computed_tokens < request.num_tokens:
                 continue
-            request.spec_token_ids = self._spec_token_placeholders
+            request.spec_token_ids = placeholders
 
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
         raise RuntimeError("With async_scheduling the drafts stay in the worker; the engine must "

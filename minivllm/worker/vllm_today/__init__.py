@@ -8,6 +8,7 @@ article's functions in ``worker/model_runner.py`` and ``worker/kv_connector_mode
 | defer_finalize.py | ``DeferFinalizeMixin`` | P/D with EAGLE, EAGLE-3 or the draft model |
 | kv_connector_context.py | ``VllmTodayKVConnectorMixin`` | ``kv_connector_context="vllm_today"`` |
 | draft_probs.py | ``ProbabilisticDraftsMixin`` | ``draft_sample_method="probabilistic"`` |
+| dynamic_k.py | ``DynamicSpecTokensMixin`` | ``num_speculative_tokens_per_batch_size`` set |
 
 ``python -m minivllm.tour spec|pd --then-and-now`` prints each override beside the article's
 function it replaces.

@@ -9,7 +9,7 @@ default) nothing here is loaded and the article's ``BlockPool`` runs unchanged.
 
 - ``cache_full_blocks`` -> ``BlockStored``: the newly cached blocks' hashes (``request.block_hashes``,
   the prefix cache's own keys), the parent hash, their token ids, the block size;
-- an eviction (a freed block handed out again, prefix_cache_evict.py) -> ``BlockRemoved``;
+- an eviction (a freed block handed out again, ``BlockPool._maybe_evict_cached_block``) -> ``BlockRemoved``;
 - ``reset_prefix_cache`` -> ``AllBlocksCleared``.
 
 As in vLLM, a hash computed by two requests at once is stored twice (no de-duplication) and reported

@@ -78,7 +78,6 @@ class HandleProxy(DisaggProxy):
     def prompt_token_ids(self, path: str, body: dict) -> Optional[list]:
         """The prompt as the engine will see it, or None (a batch, or a body the replica will
         refuse with its own 400)."""
-        from minivllm.engine.prompts import tokenize_text_prompt
         try:
             if path.endswith("chat/completions"):
                 from minivllm.entrypoints.openai.protocol import ChatCompletionRequest
@@ -90,7 +89,8 @@ class HandleProxy(DisaggProxy):
                 text = body.get("prompt")
             if isinstance(text, list) and text and all(isinstance(t, int) for t in text):
                 return list(text)
-            return tokenize_text_prompt(text, self.tokenizer)[1] if isinstance(text, str) else None
+            # As LLMEngine.tokenize_prompt encodes a text prompt, so both hash the same blocks.
+            return self.tokenizer.encode(text) if isinstance(text, str) else None
         except Exception:                                # noqa: BLE001  the replica says why
             return None
 

@@ -106,15 +106,7 @@ def read(name):
     return nbformat.read(os.path.join(NB_DIR, name), as_version=4)
 
 
-# Stored before their first refresh (their lessons change elsewhere): the stored-executed test
-# fails for them until `python -m minivllm.notebooks refresh` stores them, then passes for all.
-NOT_YET_REFRESHED = {"02_speculative_decoding.ipynb", "06_pd_at_scale.ipynb"}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=f"{n} is stored unexecuted: run "
-                                            f"python -m minivllm.notebooks refresh {n}"))
-    if n in NOT_YET_REFRESHED else n for n in stored.lesson_notebooks()])
+@pytest.mark.parametrize("name", stored.lesson_notebooks())
 def test_lesson_notebooks_are_stored_executed(name):
     """Every code cell of a lesson notebook is stored with its execution count, so the repository's
     page shows what it prints and draws."""

@@ -119,12 +119,9 @@ class HandleProxy(DisaggProxy):
                 gen.cancel()              # the client went away: the replica aborts the request
 
     async def handle(self, path: str, raw: Request) -> Response:
-        try:
-            body = await raw.json()
-            assert isinstance(body, dict)
-        except Exception:                             # noqa: BLE001
-            return _error("the request body must be a JSON object.", 400)
-        request_id = raw.headers.get("X-Request-Id") or uuid.uuid4().hex
+        body, request_id, bad_request = await self._read_request(raw)
+        if bad_request is not None:
+            return bad_request
         token_ids = self.prompt_token_ids(path, body)
         if token_ids is not None and path.endswith("/completions") and \
                 not path.endswith("chat/completions") and not body.get("echo"):

@@ -144,13 +144,22 @@ class DisaggProxy:
             return None, None
         return resp.json().get("kv_transfer_params"), None
 
-    async def handle(self, path: str, raw: Request) -> Response:
+    @staticmethod
+    async def _read_request(raw: Request) -> tuple[Optional[dict], str, Optional[Response]]:
+        """The body (a JSON object), the request id (the client's ``X-Request-Id``, else a new
+        one), and the 400 to answer instead when the body is not a JSON object."""
+        request_id = raw.headers.get("X-Request-Id") or uuid.uuid4().hex
         try:
             body = await raw.json()
             assert isinstance(body, dict)
         except Exception:                             # noqa: BLE001
-            return _error("the request body must be a JSON object.", 400)
-        request_id = raw.headers.get("X-Request-Id") or uuid.uuid4().hex
+            return None, request_id, _error("the request body must be a JSON object.", 400)
+        return body, request_id, None
+
+    async def handle(self, path: str, raw: Request) -> Response:
+        body, request_id, bad_request = await self._read_request(raw)
+        if bad_request is not None:
+            return bad_request
         await self.refresh()
         record = {"request_id": request_id, "path": path, "prefill": None, "prefill_s": None,
                   "prefill_error": None, "decode": None, "kv_transfer_params": None}

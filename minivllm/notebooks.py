@@ -12,7 +12,8 @@ Stored outputs come from the run CI repeats: the same kernel environment (KERNEL
 thread, fixed hash seed, the fast mode that notebooks which still have one read). CI compares every
 stored *text* output with a fresh run's by nbval's rule (its own ``compare_outputs``: streams merged
 per name, images and widget model ids skipped, every text first passed through the patterns of
-``notebooks/nbval_sanitize.cfg``, each listed there with its reason). ``pytest --nbval
+``notebooks/nbval_sanitize.cfg``, each listed there with its reason), after leaving progress bars
+out (``is_progress_bar``). ``pytest --nbval
 --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks/01_paged_kv_cache.ipynb`` (with
 KERNEL_ENV exported) checks one notebook the same way, cell by cell. A cell stored unexecuted is run
 but not compared (nbval's rule for an unrun reference cell).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,10 +38,13 @@ MAX_BYTES = 1_500_000          # no stored notebook over 1.5 MB
 CELL_TIMEOUT = 300             # seconds per cell
 # What every kernel inherits, in the stored run and in CI's: one intra-op thread (floats summed in a
 # different order differ in their last bits, and two cores shared with other work make a small
-# model's matmuls slower with more threads), a fixed str hash seed. MPLBACKEND is left to the
-# kernel: its inline backend draws the figures.
+# model's matmuls slower with more threads), a fixed str hash seed, and the plain ``F.linear`` for
+# every layer: the linear route is otherwise chosen per machine by timing (kernel_choice.py), and
+# another route sums in another order (a stored KV file's CRC32, and so its meta.json's length,
+# would follow the machine's timing). MPLBACKEND is left to the kernel: its inline backend draws
+# the figures.
 KERNEL_ENV = {"MINIVLLM_NOTEBOOK_FAST": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-              "PYTHONHASHSEED": "0"}
+              "PYTHONHASHSEED": "0", "MINIVLLM_LINEAR_ROUTE": "f_linear"}
 
 
 def lesson_notebooks() -> list[str]:
@@ -70,7 +75,26 @@ def sanitize_patterns(path: str = SANITIZE_FILE) -> dict[str, str]:
     """{regex: replacement} from nbval's sanitize file format (``regex:`` / ``replace:`` lines)."""
     from nbval.plugin import get_sanitize_patterns
     with open(path) as f:
-        return dict(get_sanitize_patterns(f.read()))
+        text = f.read()
+    pairs = get_sanitize_patterns(text)
+    # nbval pairs a `regex:` line only with a `replace: ` line right below it (an empty replacement
+    # keeps its space); any other line there drops the pattern without a word.
+    if len(pairs) != len(re.findall(r"^regex: ", text, flags=re.MULTILINE)):
+        raise ValueError(f"{path}: a `regex:` line lacks its `replace: ` line right below it")
+    return dict(pairs)
+
+
+def is_progress_bar(output) -> bool:
+    """A tqdm bar drawn as a widget ("Processed prompts:  40%|####  | 13/32 ..."). It shows how far
+    a long step got, not a result, and whether it appears at all depends on what the machine has
+    cached: a fresh machine converts the GGUF model and builds a head's training data, each with a
+    bar, where a warm one prints neither. So it is neither stored nor compared (nbval alone would
+    compare it: run ``pytest --nbval`` on a warm machine)."""
+    data = output.get("data", {})
+    text = "".join(data.get("text/plain", ""))
+    return (output.get("output_type") == "display_data"
+            and "application/vnd.jupyter.widget-view+json" in data
+            and re.search(r"\d+%\|.*\| *[\d.]+\w?/[\d.?]+\w?", text) is not None)
 
 
 class _NbvalRule:
@@ -98,11 +122,20 @@ class _NbvalRule:
     def format_output_compare(self, key, left, right):
         return self._format(self, key, left, right)
 
+    def _unseen(self, output) -> bool:
+        """A progress bar, or a stream the sanitize patterns empty (the GGUF model's first-use
+        conversion, printed only on a fresh machine): nbval would still count it as an output."""
+        if output.get("output_type") == "stream":
+            return self.sanitize("".join(output.get("text", ""))) == ""
+        return is_progress_bar(output)
+
     def differs(self, fresh: list, stored: list) -> Optional[str]:
-        """None when the outputs agree, else nbval's account of the first difference."""
+        """None when the outputs agree, else nbval's account of the first difference. Progress
+        bars and streams with nothing left after sanitizing are left out of both sides first."""
         from nbval.plugin import coalesce_streams
-        if self._compare(self, coalesce_streams(copy.deepcopy(fresh)),
-                         coalesce_streams(copy.deepcopy(stored))):
+        fresh, stored = ([o for o in coalesce_streams(copy.deepcopy(outs)) if not self._unseen(o)]
+                         for outs in (fresh, stored))
+        if self._compare(self, fresh, stored):
             return None
         return "\n".join(self.comparison_traceback)
 
@@ -131,10 +164,13 @@ def unexecuted_code_cells(nb) -> int:
 
 
 def _tidy(nb) -> None:
-    """What a stored notebook keeps: a stable id per cell (kept once given), no per-run metadata."""
+    """What a stored notebook keeps: a stable id per cell (kept once given), no per-run metadata,
+    no progress bars (``is_progress_bar``)."""
     for i, cell in enumerate(nb.cells):
         cell.setdefault("id", f"cell-{i:02d}")
         cell.metadata.pop("execution", None)
+        if "outputs" in cell:
+            cell.outputs = [o for o in cell.outputs if not is_progress_bar(o)]
     nb.metadata.pop("papermill", None)
 
 

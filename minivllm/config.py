@@ -212,7 +212,7 @@ class KVTransferConfig:
     kv_connector: Optional[str] = None
     kv_role: Optional[str] = None
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
-    # The worker's connector context manager (distributed/kv_transfer/__init__.py): "article"
+    # The worker's connector context manager (worker/kv_connector_model_runner_mixin.py): "article"
     # (start_load_kv on enter, wait_for_save on exit, none on a step without a forward) or
     # "vllm_today" (vLLM 0.32: start_load_kv on enter only with has_sync_kv_loads, else after the
     # forward; wait_for_save on every step, also without a forward). minivllm-only field.

@@ -5,13 +5,20 @@ and never import ``config.py``.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 KV_CONNECTOR_CONTEXTS = ("article", "vllm_today")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
-def check_kv_transfer_options(ktc: Any) -> None:
+class KVTransferFields(Protocol):
+    """The ``KVTransferConfig`` fields these checks read."""
+    kv_connector_context: str
+    kv_load_failure_policy: str
+    kv_lease_duration: float
+
+
+def check_kv_transfer_options(ktc: KVTransferFields) -> None:
     """``ktc``: a ``KVTransferConfig``. Raises ``ValueError`` naming the field and what it allows."""
     if ktc.kv_connector_context not in KV_CONNECTOR_CONTEXTS:
         raise ValueError(f"kv_transfer_config.kv_connector_context must be one of "

@@ -5,13 +5,30 @@ runs them on every construction; they read its fields and never import ``config.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Protocol
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 NGRAM_MATCH_RULES = ("first", "last")
 
 
-def check_drafter_options(spec: Any) -> None:
+class SpeculativeFields(Protocol):
+    """The ``SpeculativeConfig`` fields these checks read (and the schedule they normalize)."""
+    method: str
+    model: Optional[str]
+    ngram_match: str
+    draft_num_layers: Optional[int]
+    draft_sample_method: str
+    rejection_sample_method: str
+    synthetic_acceptance_rates: Optional[list[float]]
+    synthetic_acceptance_length: Optional[float]
+    num_speculative_tokens_per_batch_size: Optional[list]
+    suffix_decoding_max_tree_depth: int
+    suffix_decoding_max_cached_requests: int
+    suffix_decoding_max_spec_factor: float
+    suffix_decoding_min_token_prob: float
+
+
+def check_drafter_options(spec: SpeculativeFields) -> None:
     """``spec``: a ``SpeculativeConfig``. Raises ``ValueError`` naming the field and what it allows."""
     if spec.method == "ngram" and spec.ngram_match not in NGRAM_MATCH_RULES:
         raise ValueError(f"speculative_config.ngram_match must be one of "
@@ -39,7 +56,7 @@ def check_drafter_options(spec: Any) -> None:
 REJECTION_SAMPLE_METHODS = ("standard", "block")
 
 
-def check_verification_options(spec: Any) -> None:
+def check_verification_options(spec: SpeculativeFields) -> None:
     """vLLM 0.32's checks on ``rejection_sample_method`` and on the dynamic-k schedule. minivllm has
     no watermarking, so vLLM's "watermarking only with 'standard'" has nothing to check here."""
     if spec.rejection_sample_method == "synthetic":
@@ -94,7 +111,7 @@ def validate_and_normalize_dynamic_sd_schedule(schedule: object) -> list[tuple[i
     return parsed
 
 
-def check_suffix_options(spec: Any) -> None:
+def check_suffix_options(spec: SpeculativeFields) -> None:
     """vLLM 0.32's ``_validate_suffix_decoding`` ranges (config/speculative.py); no draft model."""
     for name, kind, lo, hi in (("max_tree_depth", int, 1, None),
                                ("max_cached_requests", int, 0, None),
@@ -112,7 +129,7 @@ def check_suffix_options(spec: Any) -> None:
                          "tokens: it takes no 'model' or 'draft_num_layers'.")
 
 
-def check_draft_num_layers(spec: Any, hf_config: Any) -> None:
+def check_draft_num_layers(spec: SpeculativeFields, hf_config: Any) -> None:
     """A self-draft keeps at least one of the target's layers and drops at least one."""
     n = hf_config.num_hidden_layers
     if not 1 <= spec.draft_num_layers <= n - 1:

@@ -20,13 +20,20 @@ from minivllm.core.sched.output import CachedRequestData, NewRequestData, Schedu
 from minivllm.distributed.kv_transfer import (KVConnectorBase_V1, KVConnectorFactory,
                                               KVConnectorOutput, KVConnectorRole,
                                               ensure_kv_transfer_initialized,
-                                              maybe_get_kv_connector_output,
                                               validate_kv_transfer_config)
-from minivllm.distributed.kv_transfer.no_forward import kv_connector_no_forward
 from minivllm.distributed.kv_transfer.shared_storage_connector import align_to_block_size
 from minivllm.forward_context import set_forward_context
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
+from minivllm.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+from minivllm.worker.model_runner import ModelRunner
+
+
+class ConnectorHalf(KVConnectorModelRunnerMixin):
+    """The model runner's KV-connector half alone, over a worker-role connector."""
+
+    def __init__(self, connector):
+        self.kv_connector = connector
 
 H, D, NUM_BLOCKS, VOCAB = 2, 8, 40, 50
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -102,7 +109,7 @@ class Instance:
         so = SchedulerOutput(new, cached, sched, sum(sched.values()), {}, [0], set())
         so.kv_connector_metadata = self.sched.build_connector_meta(so)
         with set_forward_context(None, {}, self.worker):
-            with maybe_get_kv_connector_output(self.worker, so) as out:
+            with ConnectorHalf(self.worker).maybe_get_kv_connector_output(so) as out:
                 if hook:
                     hook("after_start_load_kv")
                 for i, name in enumerate(LAYERS):
@@ -269,10 +276,10 @@ def test_request_finished_and_no_forward_step(tmp_path):
     assert "p" not in p.sched._pending_stores
     so = SchedulerOutput([], CachedRequestData(), {}, 0, {}, [0], {"p"})
     so.kv_connector_metadata = p.sched.build_connector_meta(so)
-    out = kv_connector_no_forward(p.worker, so)
+    out = ConnectorHalf(p.worker).kv_connector_no_forward(so)
     assert isinstance(out, KVConnectorOutput) and out.is_empty()
     assert not p.worker.has_connector_metadata()
-    with maybe_get_kv_connector_output(None, so) as nothing:
+    with ModelRunner.maybe_get_kv_connector_output(None, so) as nothing:   # no connector
         assert nothing is None
 
 

@@ -10,7 +10,7 @@ indexes token rows; a stored value holds the same rows ``[2, t, num_kv_heads * h
 The loader thread writes only into blocks the scheduler allocated to a request that is parked in
 ``WAITING_FOR_REMOTE_KVS``: no forward reads or writes them until ``finished_recving`` is reported,
 so on the CPU no further synchronisation is needed. On CUDA the host rows go through pinned
-buffers (``minivllm.host_copy``) as asynchronous copies queued on the default stream, ahead of any
+buffers (``storage.copy_to_host``) as asynchronous copies queued on the default stream, ahead of any
 forward that reads those blocks; a faster build would copy on a side stream with an event per
 request, so that loads overlap the forward too.
 """
@@ -26,7 +26,8 @@ import torch
 from minivllm.distributed.kv_transfer import redis_store
 from minivllm.distributed.kv_transfer.redis_store import redis_errors
 from minivllm.distributed.kv_transfer.redis_store_metadata import RedisReqMeta
-from minivllm.host_copy import copy_to_device, copy_to_host, wait_for_copies_to_host
+from minivllm.distributed.kv_transfer.storage import (copy_to_device, copy_to_host,
+                                                      wait_for_copies_to_host)
 from minivllm.threads import keep_off_openmp
 
 

@@ -45,7 +45,6 @@ from minivllm.distributed.kv_transfer import storage
 from minivllm.distributed.kv_transfer.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                    KVConnectorRole, checked_extra_config, recorded)
 from minivllm.distributed.kv_transfer.storage import align_to_block_size
-from minivllm.host_copy import copy_to_device, copy_to_host, wait_for_copies_to_host
 
 EXTRA_CONFIG_KEYS = ("shared_storage_path", "layerwise", "verify_on_lookup")
 
@@ -252,8 +251,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 self._loads.remove((req, meta))
                 self._load_failed(req, e)
                 continue
-            rows = copy_to_device(data[:, req.start:], kv.device).to(kv.dtype)
-            flat[:, copy_to_device(req.slot_mapping, kv.device)] = rows
+            rows = storage.copy_to_device(data[:, req.start:], kv.device).to(kv.dtype)
+            flat[:, storage.copy_to_device(req.slot_mapping, kv.device)] = rows
             nbytes += rows.numel() * rows.element_size()
         self._storage.count(num_loaded_bytes=nbytes, load_time_s=time.perf_counter() - t0)
         if layer_name == next(reversed(self._kv_caches)):   # last layer: requests complete
@@ -282,7 +281,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
         flat = kv_layer.view(2, -1, kv_layer.shape[3] * kv_layer.shape[4])
         for req in (md.requests if md is not None else []):
             if req.is_store and self._storage.start_store(req.req_id, req.folder):
-                rows = copy_to_host(flat[:, copy_to_device(req.slot_mapping, kv_layer.device)])
+                slots = storage.copy_to_device(req.slot_mapping, kv_layer.device)
+                rows = storage.copy_to_host(flat[:, slots])
                 self._storage.stage(req.req_id, req.folder, layer_name, rows)
                 nbytes += rows.numel() * rows.element_size()
         self._storage.count(num_stored_bytes=nbytes, save_time_s=time.perf_counter() - t0)
@@ -293,7 +293,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         per layer, and publish each finished folder at once (a reader sees all of it or none)."""
         md = self._connector_metadata
         if self._storage.has_staged():   # the rows were copied to host memory without waiting
-            wait_for_copies_to_host(next(iter(self._kv_caches.values())).device)
+            storage.wait_for_copies_to_host(next(iter(self._kv_caches.values())).device)
         stores = [(r.req_id, r.folder, r.token_ids)
                   for r in (md.requests if md is not None else []) if r.is_store]
         self._storage.commit(stores, self._kv_caches)

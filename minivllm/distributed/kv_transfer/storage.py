@@ -7,7 +7,9 @@ vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py (``_generate_f
 writes and the counters kept out of its way.
 
 Also the pieces every connector shares: ``align_to_block_size`` (vLLM's helper of the same name),
-``model_fingerprint`` and ``expected_layout`` (what two instances must agree on to exchange KV).
+``model_fingerprint`` and ``expected_layout`` (what two instances must agree on to exchange KV),
+and the copies between host memory and the model's device (``copy_to_device``, ``copy_to_host``,
+``wait_for_copies_to_host``; vLLM inlines them in each connector).
 
 The on-disk format (vLLM 0.32's ExampleConnector writes it with ``safetensors.torch.save_file`` per
 layer; here it is hardened: checked metadata, checksums, atomic folders).
@@ -460,3 +462,38 @@ class SharedStorage:
         """Drop the folder with a warning; the step's other stores go on (storage_faults.py)."""
         from minivllm.distributed.kv_transfer.storage_faults import store_failed
         store_failed(self, req_id, name, err)
+
+
+# ------------------------------------------------------------------ host <-> device copies
+# A copy from pageable host memory to a GPU, or from a GPU into a fresh CPU tensor (``.cpu()``),
+# makes the host wait for everything queued on the GPU before it: a pipeline stall per call. vLLM
+# stages such copies through pinned (page-locked) host buffers with ``non_blocking=True`` instead.
+# On the CPU these are plain copies (or none at all), so the same code runs everywhere.
+
+def copy_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host -> device. On CUDA through a pinned copy and an asynchronous transfer (the pinned block
+    stays alive until the transfer is done: torch's caching host allocator tracks it)."""
+    device = torch.device(device)
+    if host.device == device:
+        return host
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def copy_to_host(t: torch.Tensor) -> torch.Tensor:
+    """Device -> host. On CUDA into a pinned buffer without waiting: read it only after
+    ``wait_for_copies_to_host``. A host tensor is returned as it is."""
+    if t.device.type != "cuda":
+        return t
+    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    buf.copy_(t, non_blocking=True)
+    return buf
+
+
+def wait_for_copies_to_host(device: torch.device | str) -> None:
+    """Block until the device -> host copies queued so far on the current stream are done: the one
+    wait, after the forward pass, that makes ``copy_to_host`` buffers readable."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

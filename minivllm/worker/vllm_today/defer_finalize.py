@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from minivllm.distributed.kv_transfer import finalize_kv_connector, vllm_today
+from minivllm.worker.vllm_today.kv_connector_context import get_kv_connector_output
 
 
 class DeferFinalizeMixin:
@@ -36,8 +36,8 @@ class DeferFinalizeMixin:
         if not self.defer_finalize:
             return super().maybe_get_kv_connector_output(scheduler_output)
         ktc = self.vllm_config.kv_transfer_config
-        return vllm_today.get_kv_connector_output(
-            self.kv_connector, scheduler_output, defer_finalize=True,
+        return get_kv_connector_output(
+            self, scheduler_output, defer_finalize=True,
             start_after_forward=ktc.kv_connector_context == "vllm_today")
 
     def sample_tokens(self) -> Any:
@@ -47,5 +47,4 @@ class DeferFinalizeMixin:
         finally:
             if self.defer_finalize:
                 # vLLM's finalize_kv_connector: wait_for_save after the drafter saved its layers.
-                finalize_kv_connector(self.kv_connector, state.scheduler_output,
-                                      state.kv_connector_output)
+                self.finalize_kv_connector(state.scheduler_output, state.kv_connector_output)

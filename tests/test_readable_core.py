@@ -82,7 +82,9 @@ def test_overlays_are_chosen_from_the_configuration(tiny_llama_dir, tmp_path):
 # Before the bodies went back to their names: verify 36 files, 781 lines, 162 functions; P/D 36
 # files, 1,052 lines, 221 functions. The goals: verify at most 27 files, P/D at most 29.
 WALK_CEILINGS = {
-    "verify": {"files": 27, "lines": 720, "functions": 149},
+    # 720 lines and 149 functions until ModelRunner.num_spec_tokens_to_schedule (one line, one
+    # call) let dynamic k override k alone instead of a copy of propose_draft_token_ids.
+    "verify": {"files": 27, "lines": 721, "functions": 150},
     "pd": {"files": 29, "lines": 1058, "functions": 219},
 }
 

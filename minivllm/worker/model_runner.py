@@ -401,7 +401,7 @@ class ModelRunner:
 
         A request gets at most as many drafts as it can still use: the next step emits up to
         ``drafts + 1`` tokens, so drafts stop one short of ``max_tokens`` and of the model length."""
-        batch, k = self.input_batch, self.speculative_config.num_speculative_tokens
+        batch, k = self.input_batch, self.num_spec_tokens_to_schedule(state.scheduler_output)
         limits = {}
         for i, req_id in enumerate(batch.req_ids):
             if not sampled_token_ids[i]:
@@ -418,6 +418,11 @@ class ModelRunner:
         if trace.active:
             trace.record("spec_propose", drafts={r: list(d) for r, d in drafts.items()})
         return drafts
+
+    def num_spec_tokens_to_schedule(self, scheduler_output: SchedulerOutput) -> int:
+        """This step's k: the configuration's ``num_speculative_tokens`` (vLLM 0.32's dynamic k
+        looks it up by batch size instead: worker/vllm_today/dynamic_k.py)."""
+        return self.speculative_config.num_speculative_tokens
 
     def take_draft_token_ids(self) -> Optional[dict[str, list[int]]]:
         drafts, self._draft_token_ids = self._draft_token_ids, None

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from minivllm import trace
 from minivllm.spec_decode.dynamic import build_dynamic_sd_schedule_lookup, num_spec_tokens_to_schedule
 
 
 class DynamicSpecTokensMixin:
-    """Overrides ``ModelRunner.propose_draft_token_ids``: k comes from the batch-size schedule."""
+    """Overrides ``ModelRunner.num_spec_tokens_to_schedule``: k comes from the batch-size schedule."""
 
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)
@@ -22,24 +21,7 @@ class DynamicSpecTokensMixin:
             spec.num_speculative_tokens_per_batch_size, vllm_config.scheduler_config.max_num_seqs,
             spec.num_speculative_tokens)
 
-    def propose_draft_token_ids(self, sampled_token_ids: list[list[int]],
-                                state: Any) -> dict[str, list[int]]:
-        batch = self.input_batch
-        k = num_spec_tokens_to_schedule(self.speculative_config.num_speculative_tokens,
-                                        self.dynamic_sd_lookup,
-                                        len(state.scheduler_output.num_scheduled_tokens))
-        limits = {}
-        for i, req_id in enumerate(batch.req_ids):
-            if not sampled_token_ids[i]:
-                continue   # partial prefill: nothing to draft from yet
-            state_i = self.requests[req_id]
-            max_tokens = state_i.sampling_params.max_tokens or self.max_model_len
-            limits[req_id] = max(0, min(k, max_tokens - len(state_i.output_token_ids) - 1,
-                                        self.max_model_len - 1 - int(batch.num_tokens_no_spec[i])))
-        if self.drafter.uses_target_hidden_states:   # EAGLE, EAGLE-3, Medusa
-            from minivllm.spec_decode.utils import TargetStepOutputs
-            self.target_step_outputs = TargetStepOutputs.from_state(state, sampled_token_ids)
-        drafts = self.drafter.propose_for_batch(self, limits, state.scheduler_output)
-        self.target_step_outputs = None
-        trace.record("spec_propose", drafts={r: list(d) for r, d in drafts.items()})
-        return drafts
+    def num_spec_tokens_to_schedule(self, scheduler_output: Any) -> int:
+        return num_spec_tokens_to_schedule(self.speculative_config.num_speculative_tokens,
+                                           self.dynamic_sd_lookup,
+                                           len(scheduler_output.num_scheduled_tokens))

@@ -115,7 +115,10 @@ def main(argv=None) -> None:
     ap.add_argument("--routers", default="round_robin,serve,kv")
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=128,
+                    help="multiturn: tokens per reply. A chat's replies are most of its "
+                    "conversation, and their KV lives only on the decode replica that wrote them; "
+                    "32-token replies leave the prompts' few blocks to decide")
     ap.add_argument("--pd-min-uncached-tokens", type=int, default=64)
     ap.add_argument("--save", default="figures/fleet_multiturn.json",
                     help="multiturn: the table, per-turn series and one route, as JSON "

@@ -105,8 +105,9 @@ def multiturn_counts(run: dict) -> dict:
 
 def ideal_hits(args, runs: dict) -> tuple[int, int]:
     """One engine with a cache big enough for everything, fed the same prompts in the same turn
-    order (turn 1 of every conversation, then turn 2, ...): its prefix-cache hits and the
-    prompt tokens, from its own ``num_cached_tokens``."""
+    order (turn 1 of every conversation, then turn 2, ...) and generating the same replies, so it
+    holds each reply's KV as a decode replica does: its prefix-cache hits and the prompt tokens,
+    from its own ``num_cached_tokens``."""
     from minivllm import LLM, SamplingParams
     from minivllm.model_executor.model_loader import load_tokenizer, resolve_model_path
     tok = load_tokenizer(resolve_model_path(args.model))
@@ -123,7 +124,9 @@ def ideal_hits(args, runs: dict) -> tuple[int, int]:
                              {"role": "user", "content": FOLLOW_UPS[k % 5]}]
             text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             prompts.append({"prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        for out in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1),
+        # Greedy and the same max_tokens as the fleet's turns: the replies the fleet gave (a
+        # prompt-only replay would cache the earlier prompts but never the replies in them).
+        for out in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens),
                                 use_tqdm=False):
             hits += out.num_cached_tokens
             total += len(out.prompt_token_ids)

@@ -252,6 +252,37 @@ def executed(request):
             f.cancel()
 
 
+def test_what_a_fresh_machine_prints_once_is_not_compared(tmp_path):
+    """A tqdm bar, and the GGUF model's first-use conversion lines, appear on a fresh machine and
+    not on a warm one: a run that prints them agrees with a stored run that did not, a bar is not
+    stored, and a printed number next to the conversion lines is still compared. A sanitize file
+    whose `regex:` line lacks its `replace: ` line is refused."""
+    cell, out = nbformat.v4.new_code_cell, nbformat.v4.new_output
+    widget = "application/vnd.jupyter.widget-view+json"
+    bar = out("display_data", data={widget: {"model_id": "a", "version_major": 2, "version_minor": 0},
+                                    "text/plain": "Processed prompts:   0%|          | 0/32 [00:00<?, ?it/s]"})
+    convert = ("Converting /x/SmolLM2.gguf once into /tmp/SmolLM2-a9 (dequantised to float32; later "
+               "starts reuse it) ...\nConverted in 3.1 s.\n")
+
+    def nb(outputs):
+        return nbformat.v4.new_notebook(cells=[cell("llm = LLM()", execution_count=1, outputs=outputs)])
+
+    warm = nb([out("stream", name="stdout", text="accepted 3\n")])
+    assert stored.stale_cells(warm, nb([bar, out("stream", name="stdout", text=convert),
+                                        out("stream", name="stdout", text="accepted 3\n")])) == []
+    assert stored.stale_cells(nb([]), nb([bar, out("stream", name="stdout", text=convert)])) == []
+    assert stored.stale_cells(warm, nb([out("stream", name="stdout", text=convert + "accepted 4\n")]))
+    barred = nb([bar, out("stream", name="stdout", text="accepted 3\n")])
+    stored._tidy(barred)
+    assert [o["output_type"] for o in barred.cells[0].outputs] == ["stream"]   # the bar is not stored
+    assert stored.is_progress_bar(bar) and not stored.is_progress_bar(out("display_data", data={
+        widget: {}, "text/plain": "engine step 0 (1/29); move the slider in Jupyter"}))
+    bad = tmp_path / "sanitize.cfg"
+    bad.write_text("regex: pid \\d+\n# a comment in between\nreplace: pid <PID>\n")
+    with pytest.raises(ValueError, match="replace"):
+        stored.sanitize_patterns(str(bad))
+
+
 @needs_model
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_notebook_runs(name, executed, request):

@@ -21,6 +21,17 @@ FOLLOW_UPS = ["What happens next?", "Describe the place in more detail.", "Who e
               "How does it end?", "Tell me one surprising thing about it."]
 
 
+def _messages(c: int, replies: list[str]) -> list[dict]:
+    """Conversation ``c``'s messages for its next turn, after ``replies`` (one per earlier turn):
+    the opening request, then each reply and the follow-up that came after it."""
+    messages = [{"role": "user", "content": f"Tell me a story about {TOPICS[c]}. "
+                 f"Start with {TOPICS[c]} waking up early on a cold morning."}]
+    for k, reply in enumerate(replies):
+        messages += [{"role": "assistant", "content": reply},
+                     {"role": "user", "content": FOLLOW_UPS[k % len(FOLLOW_UPS)]}]
+    return messages
+
+
 def _conversation_turn(url: str, model: str, messages: list, max_tokens: int) -> dict:
     """One chat turn, streamed: the reply, TTFT, the decode replica's usage, the request id."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
@@ -60,15 +71,14 @@ def run_multiturn(args, router: str) -> dict:
     turns: dict = {}
     try:
         def conversation(c: int) -> None:
-            messages = [{"role": "user", "content": f"Tell me a story about {TOPICS[c]}. "
-                         f"Start with {TOPICS[c]} waking up early on a cold morning."}]
+            replies: list[str] = []
             for t in range(args.turns):
-                out = _conversation_turn(fleet.url, args.model, messages, args.max_tokens)
+                out = _conversation_turn(fleet.url, args.model, _messages(c, replies),
+                                         args.max_tokens)
                 turns[(c, t)] = out
                 if not out["ok"]:
                     return
-                messages = messages + [{"role": "assistant", "content": out["text"]},
-                                       {"role": "user", "content": FOLLOW_UPS[t % 5]}]
+                replies.append(out["text"])
         threads = [threading.Thread(target=conversation, args=(c,))
                    for c in range(args.conversations)]
         for t in threads:
@@ -117,11 +127,7 @@ def ideal_hits(args, runs: dict) -> tuple[int, int]:
     for t in range(args.turns):
         prompts = []
         for c in range(args.conversations):
-            messages = [{"role": "user", "content": f"Tell me a story about {TOPICS[c]}. "
-                         f"Start with {TOPICS[c]} waking up early on a cold morning."}]
-            for k in range(t):
-                messages += [{"role": "assistant", "content": first[(c, k)]["text"]},
-                             {"role": "user", "content": FOLLOW_UPS[k % 5]}]
+            messages = _messages(c, [first[(c, k)]["text"] for k in range(t)])
             text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             prompts.append({"prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         # Greedy and the same max_tokens as the fleet's turns: the replies the fleet gave (a

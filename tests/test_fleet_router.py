@@ -126,7 +126,7 @@ def test_the_pool_subscribes_to_each_replicas_events_and_forgets_one_that_leaves
                                    replay_endpoint="tcp://127.0.0.1:0") for uid in ("r1", "r2")}
     replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid), routing_stats={
         "kv_events_endpoint": p.endpoint, "kv_events_replay_endpoint": p.replay_endpoint,
-        "block_size": BS, "num_blocks_in_use": 2}) for uid, p in pubs.items()]
+        "block_size": BS}) for uid, p in pubs.items()]
     pool, left = PoolView("decode"), []
     pool.on_left = left.append
     try:
@@ -139,7 +139,7 @@ def test_the_pool_subscribes_to_each_replicas_events_and_forgets_one_that_leaves
         pubs["r2"].publish(KVEventBatch(ts=1.0, events=[stored(hashes[2:], parent=hashes[1])]))
         deadline = time.monotonic() + 10
         while True:
-            best, route = pool.choose(prompt, {"r1": 0, "r2": 0})
+            best, route = pool.choose(prompt, {"r1": 1, "r2": 1}, {"r1": 2, "r2": 2})
             if best == "r2" or time.monotonic() > deadline:
                 break
             time.sleep(0.1)

@@ -120,6 +120,8 @@ def main(argv=None) -> None:
                     "conversation, and their KV lives only on the decode replica that wrote them; "
                     "32-token replies leave the prompts' few blocks to decide")
     ap.add_argument("--pd-min-uncached-tokens", type=int, default=64)
+    ap.add_argument("--overlap-score-weight", type=float, default=None,
+                    help="multiturn, --router kv: Dynamo's weight (default: the fleet's)")
     ap.add_argument("--save", default="figures/fleet_multiturn.json",
                     help="multiturn: the table, per-turn series and one route, as JSON "
                          "(notebook 06 draws its figure from it); empty: not saved")

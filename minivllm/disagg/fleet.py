@@ -54,6 +54,7 @@ from minivllm.disagg.fleet_config import (APP, CONNECTORS, ROUTER_NAMES,  # noqa
                                           check_config, fleet_keys, http_options, parse_range)
 from minivllm.disagg.fleet_app import ROUTING_STATS_PERIOD_S  # noqa: F401  re-exported
 from minivllm.disagg.fleet_replicas import MARKER, NAMESPACE, ROLES
+from minivllm.disagg.kv_index import OVERLAP_SCORE_WEIGHT
 
 INSTALL = 'the fleet runs on Ray Serve, which is not installed: pip install "minivllm[fleet]"'
 
@@ -281,6 +282,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--pd-min-uncached-tokens", type=int, default=64,
                     help="decode is picked first; when it holds all but at most this many prompt "
                          "tokens it computes them itself, no remote prefill (0: always remote)")
+    ap.add_argument("--overlap-score-weight", type=float, default=OVERLAP_SCORE_WEIGHT,
+                    help="--router kv: the weight of a prompt block still to prefill against a "
+                         "block of load, in Dynamo's score (kv_index.score)")
     ap.add_argument("--prefill-target-queued-tokens", type=int,
                     default=d.prefill_target_queued_tokens)
     ap.add_argument("--decode-target-running", type=int, default=d.decode_target_running)
@@ -314,6 +318,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                          api_keys=api_keys_from(args.api_key),
                          secure=args.secure, router=args.router,
                          pd_min_uncached_tokens=args.pd_min_uncached_tokens,
+                         overlap_score_weight=args.overlap_score_weight,
                          kv_store_url=args.kv_store_url,
                          shared_storage_path=args.shared_storage_path)
     stop = {"now": False}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from minivllm.disagg.autoscale import FleetTargets
 from minivllm.disagg.fleet_replicas import ROLES
 
-# How often each replica reports its KV blocks in use (the score's load term) to the routers.
+# How often each replica reports where its KV events are (and its block size) to the routers.
 ROUTING_STATS_PERIOD_S = 1.0
 # Serve lets a replica take at most ``max_ongoing_requests`` calls at once (default 5) and queues
 # the rest in front of it. The ingress only awaits I/O (two HTTP streams per request), so that

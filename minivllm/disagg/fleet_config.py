@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from minivllm.disagg.fleet_replicas import APP_NAME as APP, NAMESPACE  # noqa: F401
+from minivllm.disagg.kv_index import OVERLAP_SCORE_WEIGHT
 
 CONNECTORS = ("ZmqPullConnector", "RedisStoreConnector", "SharedStorageConnector")
 POLICY = "minivllm.disagg.autoscale:FleetAutoscalingPolicy"
@@ -57,6 +58,9 @@ class FleetConfig:
     # enough not to stall the replica's running decodes for long, and far cheaper than a remote
     # prefill's round trip and KV transfer. 0: every request is prefilled remotely.
     pd_min_uncached_tokens: int = 64
+    # Dynamo's ``overlap_score_weight``: a prompt block still to prefill against a block of load
+    # (kv_index.score). See kv_index.OVERLAP_SCORE_WEIGHT for this default.
+    overlap_score_weight: float = OVERLAP_SCORE_WEIGHT
     drain_timeout_s: float = 60.0      # a replica's drain at most (then Serve stops it anyway)
     state_actor: str = ""              # FleetState: membership, decisions, the keys
 
@@ -85,6 +89,8 @@ def check_config(config: FleetConfig) -> None:
         raise FleetConfigError(f"router must be one of {ROUTER_NAMES}, got {config.router!r}.")
     if config.pd_min_uncached_tokens < 0:
         raise FleetConfigError("pd_min_uncached_tokens must be >= 0 (0: always a remote prefill).")
+    if config.overlap_score_weight < 0:
+        raise FleetConfigError("overlap_score_weight must be >= 0 (0: load alone decides).")
     if config.kv_store_url and not config.kv_store_url.startswith(URL_SCHEMES):
         raise FleetConfigError(f"--kv-store-url must start with one of {URL_SCHEMES}.")
 

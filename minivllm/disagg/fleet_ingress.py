@@ -70,7 +70,10 @@ class HandleProxy(DisaggProxy):
         super().__init__([], [], dynamic=True)
         self.config, self.handles, self.state = config, handles, state
         self.tokenizer = load_tokenizer(resolve_model_path(config["model"]))
+        # In flight per replica, as this ingress placed them (the score's load term; Dynamo's
+        # router keeps the same count of its active sequences): requests, and their prompt blocks.
         self.ongoing = {role: Counter() for role in ROLES}
+        self.blocks_in_flight = {role: Counter() for role in ROLES}
         self.pools = {role: pool_view(role) for role in ROLES}
         for role, pool in self.pools.items():      # a replica gone without draining: "lost"
             pool.on_left = (lambda r: lambda uid: state.deregister.remote(r, uid, "left"))(role)
@@ -97,24 +100,34 @@ class HandleProxy(DisaggProxy):
     def _choose(self, role: str, token_ids: Optional[list]) -> tuple[Optional[str], dict]:
         if self.config.get("router") != "kv" or not token_ids:
             return None, {}
-        return self.pools[role].choose(token_ids, dict(self.ongoing[role]))
+        return self.pools[role].choose(token_ids, dict(self.ongoing[role]),
+                                       dict(self.blocks_in_flight[role]),
+                                       float(self.config["overlap_score_weight"]))
+
+    def _count(self, role: str, uid: str, num_blocks: int, sign: int) -> None:
+        self.ongoing[role][uid] += sign
+        self.blocks_in_flight[role][uid] += sign * num_blocks
 
     async def _call(self, role: str, path: str, body: Optional[dict], request_id: str,
-                    replica: Optional[str], method: str = "POST") -> AsyncIterator[Any]:
-        """The role's ``generate`` through its handle, streamed; counts it in flight."""
+                    replica: Optional[str], num_blocks: int = 0,
+                    method: str = "POST") -> AsyncIterator[Any]:
+        """The role's ``generate`` through its handle, streamed; counted in flight on ``replica``
+        (the pick) from now, so that the next pick sees it, else on the replica that answers."""
         gen = self.handles[role].options(stream=True).generate.remote(
             path, body, request_id, routing={"replica": replica}, method=method)
-        uid, done = None, False
+        uid, done = replica, False
+        if uid is not None:
+            self._count(role, uid, num_blocks, +1)
         try:
             async for item in gen:
-                if isinstance(item, dict):
+                if isinstance(item, dict) and uid is None:
                     uid = item["replica"]
-                    self.ongoing[role][uid] += 1
+                    self._count(role, uid, num_blocks, +1)
                 yield item
             done = True
         finally:
             if uid is not None:
-                self.ongoing[role][uid] -= 1
+                self._count(role, uid, num_blocks, -1)
             if not done:
                 gen.cancel()              # the client went away: the replica aborts the request
 
@@ -135,10 +148,18 @@ class HandleProxy(DisaggProxy):
                  "prompt_blocks": decode_route.get("prompt_blocks"),
                  "candidates": decode_route.get("candidates", []), "pick": decode_pick,
                  "remote_prefill": remote, "prefill": None}
-        kv_params = None
+        kv_params, held = None, (decode_pick, decode_route.get("prompt_blocks") or 0)
         if remote:
-            kv_params, client_error = await self._prefill(path, body, request_id, token_ids,
-                                                          route)
+            # The decode pick counts as in flight through the prefill too, so that the picks made
+            # meanwhile see it; its decode call counts it again, from its start.
+            if decode_pick is not None:
+                self._count("decode", *held, +1)
+            try:
+                kv_params, client_error = await self._prefill(path, body, request_id, token_ids,
+                                                              route)
+            finally:
+                if decode_pick is not None:
+                    self._count("decode", *held, -1)
             if client_error is not None:
                 return client_error
         dbody = dict(body, kv_transfer_params=kv_params) if kv_params is not None else body
@@ -161,7 +182,8 @@ class HandleProxy(DisaggProxy):
             pbody.pop(key, None)
         status, content = 0, b""
         try:
-            async for item in self._call("prefill", path, pbody, request_id, pick):
+            async for item in self._call("prefill", path, pbody, request_id, pick,
+                                         proute.get("prompt_blocks", 0)):
                 if isinstance(item, dict):
                     status, route["prefill"]["served_by"] = item["status"], item["replica"]
                 else:
@@ -183,7 +205,8 @@ class HandleProxy(DisaggProxy):
         """The decode call; a replica that fails before its first byte is skipped once (Serve
         routes the retry to another, the pick no longer pinned)."""
         for attempt, replica in enumerate((pick, None)):
-            gen = self._call("decode", path, body, request_id, replica)
+            gen = self._call("decode", path, body, request_id, replica,
+                             route["prompt_blocks"] or 0)
             try:
                 head = await gen.__anext__()
             except Exception as e:                        # noqa: BLE001  died before answering

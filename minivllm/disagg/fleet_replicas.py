@@ -243,11 +243,9 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         """What the request routers read (kv_router.py), every ``request_routing_stats_period_s``:
-        the KV blocks in use (Dynamo's load term) and where this replica's KV events are."""
+        the block size the index hashes by and where this replica's KV events are."""
         manager = self.async_llm.engine.engine_core.scheduler.kv_cache_manager
-        pool = manager.block_pool
-        stats = {"num_blocks_in_use": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
-                 "block_size": manager.block_size}
+        stats = {"block_size": manager.block_size}
         if self.kv_events is not None:
             stats.update(kv_events_endpoint=self.kv_events.endpoint,
                          kv_events_replay_endpoint=self.kv_events.replay_endpoint)

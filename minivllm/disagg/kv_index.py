@@ -114,7 +114,7 @@ class KVIndex:
 @dataclass
 class Candidate:
     """One replica as the policy sees it: its id, the prompt blocks it holds (a prefix), the KV
-    blocks it has in use (its load, as its last report said) and its requests in flight."""
+    blocks its requests in flight hold (its load) and how many requests those are."""
     replica: Hashable
     cached_blocks: int
     blocks_in_use: int

@@ -2,9 +2,9 @@
 ingress (which picks) and the pool's request router (kv_router.py, which keeps it current).
 
 ``PoolView``: the pool's replicas (Serve's ``RunningReplica``, kept current by the router's
-``update_replicas``), a ``KVIndex`` (kv_index.py) fed by each replica's KV events (a
-``KVEventSubscriber`` per replica, its endpoints read from the replica's routing stats), and the
-load each last reported. A replica that leaves is forgotten, and ``on_left`` tells the fleet's
+``update_replicas``) and a ``KVIndex`` (kv_index.py) fed by each replica's KV events (a
+``KVEventSubscriber`` per replica, its endpoints read from the replica's routing stats). The load
+term comes from the ingress, which counts what it has in flight on each replica (``choose``). A replica that leaves is forgotten, and ``on_left`` tells the fleet's
 state (``FleetState.deregister``: "lost" unless it was draining).
 """
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Optional
 
-from minivllm.disagg.kv_index import Candidate, KVIndex, pick, prompt_block_hashes
+from minivllm.disagg.kv_index import (OVERLAP_SCORE_WEIGHT, Candidate, KVIndex, pick,
+                                      prompt_block_hashes)
 from minivllm.distributed.kv_events import KVEventSubscriber
 
 ROUTING_KWARG = "routing"        # the call's keyword argument the routers read
@@ -75,19 +76,29 @@ class PoolView:
                 return int(r.routing_stats["block_size"])
         return DEFAULT_BLOCK_SIZE
 
-    def choose(self, token_ids: list, ongoing: Optional[dict] = None) -> tuple[Any, dict]:
+    def choose(self, token_ids: list, ongoing: Optional[dict] = None,
+               blocks_in_flight: Optional[dict] = None,
+               weight: float = OVERLAP_SCORE_WEIGHT) -> tuple[Any, dict]:
         """The replica for a prompt: ``(replica id or None, the route: each candidate's cached
-        blocks and score, the prompt's blocks)``. ``ongoing``: requests in flight per replica."""
+        blocks and score, the prompt's blocks)``. ``ongoing``: requests in flight per replica;
+        ``blocks_in_flight``: their prompt blocks, the score's load term; ``weight``: the
+        score's weight on the blocks still to prefill.
+
+        The load is the ingress's own count, as Dynamo's router tracks its active sequences
+        itself, not the replica's report: a report is up to a period old, and in a multi-turn chat
+        it still counts the turn that just finished on that replica, so it would push the
+        conversation's next turn away from the one replica that holds its prefix."""
         with self._lock:
             self._read_events()
             block_size = self.block_size()
             hashes = prompt_block_hashes(token_ids, block_size)
             candidates = [Candidate(uid, self.index.prefix_blocks(uid, hashes),
-                                    int((r.routing_stats or {}).get("num_blocks_in_use", 0)),
+                                    (blocks_in_flight or {}).get(uid, 0),
                                     (ongoing or {}).get(uid, 0))
-                          for uid, r in sorted(self.replicas.items())]
-        best = pick(candidates, len(hashes))
+                          for uid in sorted(self.replicas)]
+        best = pick(candidates, len(hashes), weight)
         route = {"pool": self.name, "prompt_blocks": len(hashes), "block_size": block_size,
+                 "weight": weight,
                  "candidates": [{"replica": c.replica, "cached_blocks": c.cached_blocks,
                                  "blocks_in_use": c.blocks_in_use, "score": c.score}
                                 for c in candidates],

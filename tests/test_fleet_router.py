@@ -162,3 +162,61 @@ def test_the_fleet_figure_is_drawn_from_the_codes_own_names(tmp_path):
     assert labels["score"] == score.__name__ and labels["ingress"] == "HandleProxy"
     assert (tmp_path / "f.png").exists() is False
     assert fleet_figure.draw(str(tmp_path / "f.png")) and (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_the_ingress_counts_a_request_on_its_pick_while_it_streams_and_not_after():
+    """The score's load term is the ingress's own count (``HandleProxy._call``): a call counts
+    its prompt blocks on the picked replica from its start, so that a pick made while it streams
+    sees them, and drops them when the stream ends or the client goes away. The handle here
+    stands in for Serve's ``DeploymentHandle`` (the cluster tests drive the real one)."""
+    import asyncio
+    from collections import Counter
+
+    from minivllm.disagg.fleet_ingress import HandleProxy
+
+    class Stream:                         # what ``handle.options(stream=True).generate.remote``
+        def __init__(self, replica):      # returns: an async iterator with ``cancel``
+            self.items, self.cancelled = [{"replica": replica, "status": 200}, b"a", b"b"], False
+            self.counted_before_its_answer = None
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.counted_before_its_answer is None:
+                self.counted_before_its_answer = proxy.blocks_in_flight["decode"]["r1"]
+            if not self.items:
+                raise StopAsyncIteration
+            return self.items.pop(0)
+
+        def cancel(self):
+            self.cancelled = True
+
+    streams = []
+
+    class Handle:
+        def options(self, stream):
+            return self
+
+        @property
+        def generate(self):
+            return SimpleNamespace(remote=lambda *a, **kw: streams.append(
+                Stream(kw["routing"]["replica"] or "r9")) or streams[-1])
+
+    proxy = object.__new__(HandleProxy)
+    proxy.handles = {"decode": Handle()}
+    proxy.ongoing, proxy.blocks_in_flight = {"decode": Counter()}, {"decode": Counter()}
+
+    async def run():
+        gen = proxy._call("decode", "/v1/completions", {}, "id", "r1", 12)
+        assert await gen.__anext__() == {"replica": "r1", "status": 200}
+        assert streams[0].counted_before_its_answer == 12      # counted from the pick on
+        assert proxy.blocks_in_flight["decode"]["r1"] == 12 and proxy.ongoing["decode"]["r1"] == 1
+        assert [x async for x in gen] == [b"a", b"b"]          # the stream ends: not counted
+        assert proxy.blocks_in_flight["decode"]["r1"] == 0 and proxy.ongoing["decode"]["r1"] == 0
+        gen = proxy._call("decode", "/v1/completions", {}, "id", None, 5)   # no pick: the
+        await gen.__anext__()                                   # replica that answers
+        assert proxy.blocks_in_flight["decode"]["r9"] == 5
+        await gen.aclose()                                      # the client went away
+        assert proxy.blocks_in_flight["decode"]["r9"] == 0 and streams[-1].cancelled
+    asyncio.run(run())

@@ -146,6 +146,7 @@ class HandleProxy(DisaggProxy):
         route = {"time": time.time(), "at": readable(time.time()), "request_id": request_id,
                  "prompt_tokens": len(token_ids) if token_ids else None,
                  "prompt_blocks": decode_route.get("prompt_blocks"),
+                 "weight": decode_route.get("weight"),
                  "candidates": decode_route.get("candidates", []), "pick": decode_pick,
                  "remote_prefill": remote, "prefill": None}
         kv_params, held = None, (decode_pick, decode_route.get("prompt_blocks") or 0)

@@ -9,7 +9,9 @@ choice it feeds. Pure Python, no Ray: the tests drive it with recorded event str
 - ``prompt_block_hashes``: a prompt's full blocks hashed exactly as the engines' prefix cache
   hashes them (core/kv_cache_utils.py ``hash_block_tokens``), so a match is a real hit.
 - ``score``: NVIDIA Dynamo's KV router cost, ``w * (prompt blocks - prefix blocks held) + KV blocks
-  in use``: the blocks it would still have to prefill, plus the decode load it already carries.
+  in use``: the blocks it would still have to prefill, plus the load it already carries (the
+  prompt blocks of the requests the ingress has in flight there, counted as it places them, as
+  Dynamo's router counts its active sequences).
 - ``pick``: the lowest score wins; a tie (and an empty index, where every prefix is 0) goes to the
   least loaded replica.
 - ``needs_remote_prefill``: the P/D decision, decode picked first (llm-d's
@@ -30,7 +32,9 @@ from minivllm.core.kv_cache_utils import hash_block_tokens
 # Blocks remembered per replica: far more than a CPU replica's KV cache holds (a few thousand
 # blocks), so the bound only protects the ingress from a replica whose events never say "removed".
 DEFAULT_MAX_BLOCKS_PER_REPLICA = 100_000
-OVERLAP_SCORE_WEIGHT = 1.0       # Dynamo's default ``overlap_score_weight``
+# Dynamo's default ``overlap_score_weight``: a block still to prefill weighs as much as a block of
+# load. Higher favours the cache (less prefill, a longer queue), lower the balance.
+OVERLAP_SCORE_WEIGHT = 1.0
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:

@@ -50,3 +50,20 @@ def test_rounds_rotate_the_engines_and_keep_each_workloads_fastest_run():
     keep_fastest(best, {"a": {"seconds": 2.0, "run": 1}, "b": {"seconds": 1.0, "run": 1}})
     keep_fastest(best, {"a": {"seconds": 1.5, "run": 2}, "b": {"seconds": 3.0, "run": 2}})
     assert best == {"a": {"seconds": 1.5, "run": 2}, "b": {"seconds": 1.0, "run": 1}}
+
+
+def test_a_profiled_cell_gives_its_torch_ops_and_the_table_splits_the_wall_time(tiny_chat_dir):
+    """``--profile-ops``: a minivllm cell run under torch.profiler gives each op's own seconds
+    (the linears among them), and the table puts each engine's wall time beside its ops' time."""
+    from minivllm.bench.vllm import _ops_table
+    res = run_cell({"engine": "minivllm", "kind": "throughput", "dtype": "float32",
+                    "model": tiny_chat_dir, "profile_ops": True,
+                    "workloads": {"2 requests": ([[5, 9, 3], [7, 1]], [6, 4], True)}})["2 requests"]
+    ops = res["ops"]
+    assert ops and all(s >= 0 for s in ops.values()) and 0 < sum(ops.values()) < res["seconds"]
+    assert any("linear" in name or name in ("aten::mm", "aten::addmm") for name in ops)
+    table = _ops_table("2 requests", {"minivllm": res, "vllm": {"seconds": 1.0,
+                                                                 "ops": {"_C::onednn_mm": 0.6}}})
+    top = max(ops, key=ops.get)
+    assert f"outside them {res['seconds'] - sum(ops.values()):6.2f} s" in table
+    assert top[:50] in table.splitlines()[4] and "_C::onednn_mm" in table.splitlines()[4]

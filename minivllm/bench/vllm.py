@@ -29,6 +29,7 @@ Ratios from one run are what count, not absolute numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -87,6 +88,16 @@ def run_hf_cell(cell: dict) -> dict:
     return results
 
 
+def _op_profiler():
+    from torch.profiler import ProfilerActivity, profile
+    return profile(activities=[ProfilerActivity.CPU])
+
+
+def _op_times(profiler) -> dict:
+    """Seconds per torch op (self time, the op's own work), from ``torch.profiler``."""
+    return {e.key: e.self_cpu_time_total / 1e6 for e in profiler.key_averages()}
+
+
 def run_cell(cell: dict) -> dict:
     spec = {"spec": NGRAM, "suffix": SUFFIX}.get(cell["kind"])
     if cell["engine"] == "hf":
@@ -117,12 +128,16 @@ def run_cell(cell: dict) -> dict:
         groups = [[i] for i in range(len(prompts))] if name.endswith(":1") else \
             [list(range(len(prompts)))]
         before = _counters(llm) if spec else {}
+        profiler = _op_profiler() if cell.get("profile_ops") else None
         t0 = time.perf_counter()
         outputs = []
-        for g in groups:
-            outputs += gen([prompts[i] for i in g], [params[i] for i in g])
+        with profiler or contextlib.nullcontext():
+            for g in groups:
+                outputs += gen([prompts[i] for i in g], [params[i] for i in g])
         seconds = time.perf_counter() - t0
         res = {"seconds": seconds, "tokens": sum(map(len, outputs)), "outputs": outputs}
+        if profiler is not None:
+            res["ops"] = _op_times(profiler)
         if spec:
             after = _counters(llm)
             res["counters"] = {n: ([a - b for a, b in zip(after[n], before[n])]
@@ -186,6 +201,8 @@ def run_in_process(cell: dict, timeout: float) -> dict:
             json.dump(cell, f)
         if cell["engine"].startswith("vllm"):
             cmd, env = [vllm_python(), os.path.abspath(__file__), "--cell", inp, out], vllm_env()
+            if cell.get("profile_ops"):     # the engine core in this process, where the profiler is
+                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         else:
             cmd, env = [sys.executable, "-m", "minivllm.bench", "vllm", "--cell", inp, out], None
         log = open(os.path.join(tmp, "log.txt"), "w+")
@@ -274,6 +291,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-hf", action="store_true", help="no Hugging Face column")
     ap.add_argument("--vllm-compiled", action="store_true",
                     help="also vLLM without enforce_eager (torch.compile) in the throughput table")
+    ap.add_argument("--profile-ops", action="store_true",
+                    help="run the spec cells under torch.profiler (slower) and print, per "
+                         "workload, each engine's time in torch ops, outside them, and its top ops")
     ap.add_argument("--rounds", type=int, default=1,
                     help="every cell this many times, the engines' order rotating each round; "
                          "each cell's workload keeps its fastest run")
@@ -295,7 +315,7 @@ def main(argv=None) -> None:
                                     desc="cells (one process each)", dynamic_ncols=True):
         cell = {"engine": engine,
                 "kind": {"throughput": kind, "repeated": "suffix"}.get(kind, "spec"),
-                "dtype": dtype, "model": path,
+                "dtype": dtype, "model": path, "profile_ops": args.profile_ops,
                 "workloads": _workloads(tok, kind, args.max_tokens)}
         keep_fastest(results.setdefault((engine, kind, dtype), {}),
                      run_in_process(cell, args.timeout))
@@ -335,6 +355,29 @@ def main(argv=None) -> None:
                 for engine in ("minivllm", "vllm"):
                     print(_spec_row(engine, name, results[(engine, kind, "float32")][name]))
             print()
+        if args.profile_ops:
+            for kind in args.kinds.split(","):
+                for name in results[("minivllm", kind, "float32")]:
+                    print(_ops_table(name, {e: results[(e, kind, "float32")][name]
+                                            for e in ("minivllm", "vllm")}))
+
+
+def _ops_table(name: str, runs: dict, top: int = 10) -> str:
+    """Where each engine's time went in one profiled workload: wall seconds, the torch ops' own
+    seconds, the rest (Python: scheduling, input preparation, drafting, module calls; and the
+    profiler's own cost, which grows with the number of ops), and each
+    engine's ``top`` ops, side by side."""
+    lines = [f"{name}, under torch.profiler:"]
+    for e, r in runs.items():
+        ops = sum(r["ops"].values())
+        lines.append(f"  {e:<9} wall {r['seconds']:6.2f} s   torch ops {ops:6.2f} s   outside "
+                     f"them {r['seconds'] - ops:6.2f} s")
+    ranked = {e: sorted(r["ops"].items(), key=lambda kv: -kv[1])[:top] for e, r in runs.items()}
+    lines.append("  " + "".join(f"{e + ' op':<52}{'s':>6}   " for e in ranked))
+    for i in range(top):
+        lines.append("  " + "".join(f"{ops[i][0][:50]:<52}{ops[i][1]:6.3f}   " if i < len(ops)
+                                    else " " * 61 for ops in ranked.values()))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,7 @@ def run_once(args, bounds: tuple[int, int]) -> dict:
 
 
 def main(argv=None) -> None:
+    from minivllm.disagg.kv_index import OVERLAP_SCORE_WEIGHT
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None,
                     help="a small model directory (CPU); multiturn: default SmolLM2-135M-Instruct")
@@ -120,8 +121,8 @@ def main(argv=None) -> None:
                     "conversation, and their KV lives only on the decode replica that wrote them; "
                     "32-token replies leave the prompts' few blocks to decide")
     ap.add_argument("--pd-min-uncached-tokens", type=int, default=64)
-    ap.add_argument("--overlap-score-weight", type=float, default=None,
-                    help="multiturn, --router kv: Dynamo's weight (default: the fleet's)")
+    ap.add_argument("--overlap-score-weight", type=float, default=OVERLAP_SCORE_WEIGHT,
+                    help="multiturn, --router kv: Dynamo's weight (the fleet's default)")
     ap.add_argument("--save", default="figures/fleet_multiturn.json",
                     help="multiturn: the table, per-turn series and one route, as JSON "
                          "(notebook 06 draws its figure from it); empty: not saved")

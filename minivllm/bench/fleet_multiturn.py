@@ -7,7 +7,6 @@ the fleet's own records (``routes``). ``--save`` writes what notebook 06 draws.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
@@ -58,11 +57,6 @@ def _conversation_turn(url: str, model: str, messages: list, max_tokens: int) ->
             "request_id": rid}
 
 
-def weight_flag(args) -> str:
-    w = args.overlap_score_weight
-    return "" if w is None else f" --overlap-score-weight {w:g}"
-
-
 def run_multiturn(args, router: str) -> dict:
     """16 conversations x 6 turns (each turn's prompt: the conversation so far plus a new
     message), all conversations at once, on a fleet fixed at 2 prefill + 2 decode replicas."""
@@ -70,9 +64,8 @@ def run_multiturn(args, router: str) -> dict:
     from minivllm.disagg.fleet import FleetConfig, start_fleet
     config = FleetConfig(model=args.model, replica_num_cpus=0.5, node_ip=False, router=router,
                          pd_min_uncached_tokens=args.pd_min_uncached_tokens,
+                         overlap_score_weight=args.overlap_score_weight,
                          server_args=["--max-model-len", "2048"])
-    if args.overlap_score_weight is not None:
-        config = dataclasses.replace(config, overlap_score_weight=args.overlap_score_weight)
     t_start = time.perf_counter()
     fleet = start_fleet(config, FleetTargets(2, 2, 2, 2))
     startup_s = time.perf_counter() - t_start
@@ -184,8 +177,8 @@ def main_multiturn(args) -> None:
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
     print(f"\n{args.conversations} conversations x {args.turns} turns, greedy, {args.max_tokens} "
           f"tokens a turn; 2 prefill + 2 decode replicas; --pd-min-uncached-tokens "
-          f"{args.pd_min_uncached_tokens}{weight_flag(args)}. Ideal: one engine with a cache big enough for "
-          f"everything, hit rate {ideal:.1%}. Greedy outputs identical across routers: {same}.")
+          f"{args.pd_min_uncached_tokens} --overlap-score-weight {args.overlap_score_weight:g}. "
+          f"Ideal: one engine with a cache big enough for everything, hit rate {ideal:.1%}. Greedy outputs identical across routers: {same}.")
     print("| router | requests (failed) | prompt tokens | prompt tokens computed | hit rate "
           "(ideal - it) | remote prefills skipped | TTFT p50 / p99 s | start-up s |")
     print("|---|---|---|---|---|---|---|---|")
@@ -219,7 +212,8 @@ def main_multiturn(args) -> None:
               "example_route": example, "command": "python -m minivllm.bench fleet "
               f"--workload multiturn --conversations {args.conversations} --turns {args.turns} "
               f"--max-tokens {args.max_tokens} --pd-min-uncached-tokens "
-              f"{args.pd_min_uncached_tokens}{weight_flag(args)} --routers {args.routers}"}
+              f"{args.pd_min_uncached_tokens} --overlap-score-weight {args.overlap_score_weight:g} "
+              f"--routers {args.routers}"}
     if args.save:
         with open(args.save, "w") as f:
             json.dump(result, f, indent=1)

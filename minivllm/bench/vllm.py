@@ -365,8 +365,8 @@ def main(argv=None) -> None:
 def _ops_table(name: str, runs: dict, top: int = 10) -> str:
     """Where each engine's time went in one profiled workload: wall seconds, the torch ops' own
     seconds, the rest (Python: scheduling, input preparation, drafting, module calls; and the
-    profiler's own cost, which grows with the number of ops), and each
-    engine's ``top`` ops, side by side."""
+    profiler's own cost, which grows with the number of ops), and each engine's ``top`` ops, side
+    by side."""
     lines = [f"{name}, under torch.profiler:"]
     for e, r in runs.items():
         ops = sum(r["ops"].values())

@@ -19,6 +19,7 @@ from minivllm.config import (LEARNED_DRAFTER_METHODS, CacheConfig, DeviceConfig,
 from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.utils import frozen_gc_heap
 
 if TYPE_CHECKING:
     from minivllm.metrics import Metric
@@ -158,11 +159,12 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-                    bar.update(1)
+        with frozen_gc_heap():        # vLLM's EngineCore freezes its startup heap (utils.py)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
         bar.close()
         return [finished[i] for i in ids]
 

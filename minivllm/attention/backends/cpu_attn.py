@@ -47,14 +47,19 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     entry = shared.get(("slots", block_size)) if shared is not None else None
     if entry is None:
         keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
-        entry = (None if bool(keep.all()) else keep, slots // block_size, slots % block_size)
+        slots = slot_mapping[keep].long()
+        entry = (None if bool(keep.all()) else keep, slots, slots // block_size, slots % block_size)
         if shared is not None:
             shared[("slots", block_size)] = entry
-    keep, blocks, offsets = entry
+    keep, slots, blocks, offsets = entry
     if keep is not None:
         key, value = key[keep], value[keep]
-    # Index the 5-D cache directly (not a flattened view) so that a strided cache is written in place too.
+    if kv_cache.is_contiguous():   # slot s is row s of each half seen as [slots, heads, head_dim]
+        rows = kv_cache.view(2, -1, *kv_cache.shape[3:])
+        rows[0].index_copy_(0, slots, key.to(kv_cache.dtype))
+        rows[1].index_copy_(0, slots, value.to(kv_cache.dtype))
+        return
+    # A strided cache (a view) cannot be seen as rows: index its 5-D form, which writes in place.
     kv_cache[0, blocks, offsets] = key.to(kv_cache.dtype)
     kv_cache[1, blocks, offsets] = value.to(kv_cache.dtype)
 

@@ -15,20 +15,16 @@ def cdiv(a: int, b: int) -> int:
 
 @contextmanager
 def frozen_gc_heap() -> Iterator[None]:
-    """Python's cyclic garbage collector ignores every object that exists on entry until exit.
+    """The cyclic garbage collector skips every object that exists on entry, until exit: vLLM's
+    ``freeze_gc_heap`` (vllm/utils/gc_utils.py), which its EngineCore calls once at start.
 
-    vLLM's ``freeze_gc_heap`` (vllm/utils/gc_utils.py) does this once, when its EngineCore
-    starts, for the life of the process. Why it matters: a step creates container objects (a
-    suffix tree grows by up to ``max_tree_depth`` nodes per token per tree), and once enough have
-    lived long, CPython runs a full collection over *every* tracked object: the model's modules,
-    the tokenizer, the engine, some 400,000 objects, about 0.17 s each time. Frozen, a full
-    collection only visits what was made since. Measured on ``bench vllm``'s suffix workload
-    (8 requests): 0.35 s of full collections per run without it, 0.01 s with it.
-
-    Scoped to one call here, because minivllm's engine lives in the caller's process (tests,
-    notebooks, a debugger), where a heap frozen for good would keep cyclic garbage of engines
-    dropped later. ``gc.freeze()`` and ``gc.unfreeze()`` move whole lists, whatever their length.
-    Where something already froze the heap, it is left as it is."""
+    Why: steps make container objects (a suffix tree grows by up to ``max_tree_depth`` nodes per
+    token), and CPython's full collections then walk every tracked object, the model's and the
+    tokenizer's included: some 400,000, about 0.17 s each time (0.35 s per run of ``bench
+    vllm``'s 8-request suffix workload). Frozen, they walk only what was made since.
+    Scoped to one call, since minivllm's engine lives in the caller's process: a heap frozen for
+    good would keep the cyclic garbage of engines dropped later. Freezing and unfreezing move
+    whole lists, in constant time. A heap something else froze is left as it is."""
     if gc.get_freeze_count():
         yield
         return

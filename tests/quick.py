@@ -30,6 +30,7 @@ QUICK: dict[str, "tuple[str, ...] | None"] = {
                       "test_chunked_prefill_then_decode_equal_hf",
                       "test_rotary_equals_textbook_form_and_reuses_rows_within_one_forward"),
     "test_bad_inputs.py": ALL,
+    "test_gc_heap.py": ALL,
     # attention and linear
     "test_attention_backends.py": ("test_auto_is_cpu_attn_on_a_cpu",
                                    "test_backends_equal_on_mixed_steps[4-2-32-4-dtype0--1]",

@@ -110,5 +110,4 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
     small ops on a CPU)."""
     n = x.shape[0]
     x = x.view(n, -1, head_dim)
-    swapped = x.view(n, -1, 2, head_dim // 2).flip(2).view(n, -1, head_dim)
-    return (x * cos + swapped * sin).view(n, -1)
+    return (x * cos + x.view(n, -1, 2, head_dim // 2).flip(2).view_as(x) * sin).view(n, -1)

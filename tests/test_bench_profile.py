@@ -49,3 +49,15 @@ def test_suffix_tree_work_is_timed_apart_inside_the_drafter(tiny_llama_dir):
     assert timers.total["suffix tree"] > 0 and timers.total["drafter"] > 0
     assert timers.inclusive["drafter"] >= timers.total["drafter"] + timers.total["suffix tree"] - 1e-6
     assert profile.METHODS["suffix"]["method"] == "suffix"
+
+
+def test_gc_pauses_count_the_collector_and_its_full_collections():
+    import gc
+    pauses = profile.GcPauses()
+    gc.callbacks.append(pauses)
+    try:
+        gc.collect(0)
+        gc.collect(2)
+    finally:
+        gc.callbacks.remove(pauses)
+    assert pauses.full == 1 and pauses.seconds > 0

@@ -15,6 +15,9 @@ requests), in its own subprocess:
    in another is subtracted from it. The timers are installed on instances only for this run, so
    an engine not being profiled pays nothing.
 
+Below the breakdown, the garbage collector's pauses during the timed run (``gc.callbacks``): they
+happen inside whichever category was running, so they are a row apart, not one more category.
+
 It also prints the weight-streaming floor: the bytes of weights one decode step reads (every
 parameter once, the embedding table not: one row of it) over the copy bandwidth measured in the
 same process (``dst.copy_(src)`` of 256 MiB, read + write bytes, STREAM's convention), and the
@@ -29,6 +32,7 @@ fastest run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -44,6 +48,22 @@ METHODS = {"plain": None,
                      "prompt_lookup_max": 5},
            "suffix": {"method": "suffix", "num_speculative_tokens": 3}}
 THIS_TREE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class GcPauses:
+    """A ``gc.callbacks`` entry: the cyclic collector's pauses, in seconds, and how many were full
+    (oldest-generation) collections, the ones that walk every tracked object not frozen."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._t0 = 0.0, 0, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self.full += info["generation"] == 2
+            self._t0 = None
 
 
 class StepTimers:
@@ -219,9 +239,13 @@ def run_cell(dtype: str, workload: str, single_tokens: int, batch_max_tokens: in
 
     if untimed:   # tokens/s and the median step with no timer but the step's own
         tokens, elapsed, step_times = timed_generate()
-    timers = StepTimers()
+    timers, pauses = StepTimers(), GcPauses()
     install(llm, timers)
-    t_tokens, t_elapsed, t_steps = timed_generate()
+    gc.callbacks.append(pauses)
+    try:
+        t_tokens, t_elapsed, t_steps = timed_generate()
+    finally:
+        gc.callbacks.remove(pauses)
     if not untimed:
         tokens, elapsed, step_times = t_tokens, t_elapsed, t_steps
     steps = len(t_steps)
@@ -237,6 +261,7 @@ def run_cell(dtype: str, workload: str, single_tokens: int, batch_max_tokens: in
             "seconds": elapsed, "tokens_per_s": tokens / elapsed, "steps": steps,
             "median_step_ms": step_times[len(step_times) // 2] * 1e3,
             "timed_step_ms": total / steps * 1e3, "breakdown_ms": per_step, "untimed": untimed,
+            "gc_ms": pauses.seconds / steps * 1e3, "gc_full": pauses.full,
             "weight_bytes": wbytes, "copy_bw": bw, "floor_ms": wbytes / bw * 1e3,
             "threads": torch.get_num_threads()}
 
@@ -266,7 +291,8 @@ def print_table(results: dict, labels: list[str]) -> None:
     print("-" * len(head))
     for cat in CATEGORIES:
         print(f"{cat:22}" + "".join(f"{results[c]['breakdown_ms'][cat]:17.2f}" for c in cols))
-    for key, fmt in (("timed_step_ms", "step (timed run)"), ("median_step_ms", "median step"),
+    for key, fmt in (("gc_ms", "GC pauses (in above)"), ("gc_full", "full GC collections"),
+                     ("timed_step_ms", "step (timed run)"), ("median_step_ms", "median step"),
                      ("steps", "steps"), ("tokens_per_s", "tokens/s")):
         print(f"{fmt:22}" + "".join(f"{results[c][key]:17.1f}" for c in cols))
     print()

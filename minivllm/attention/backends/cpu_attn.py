@@ -41,17 +41,15 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
                       slot_mapping: torch.Tensor, shared: Optional[dict] = None) -> None:
     """Write each token's K/V into its cache slot, in place; slots < 0 are padding tokens.
 
-    ``shared``: the step's ``AttentionMetadata.shared`` (see ``unified_attention``); the slots'
-    blocks and offsets are the same for every layer, so they are computed once per step."""
-    block_size = kv_cache.shape[2]
-    entry = shared.get(("slots", block_size)) if shared is not None else None
+    ``shared``: the step's ``AttentionMetadata.shared`` (see ``unified_attention``); the real
+    tokens and their slots are the same for every layer, so they are found once per step."""
+    entry = shared.get("slots") if shared is not None else None
     if entry is None:
         keep = slot_mapping >= 0
-        slots = slot_mapping[keep].long()
-        entry = (None if bool(keep.all()) else keep, slots, slots // block_size, slots % block_size)
+        entry = (None if bool(keep.all()) else keep, slot_mapping[keep].long())
         if shared is not None:
-            shared[("slots", block_size)] = entry
-    keep, slots, blocks, offsets = entry
+            shared["slots"] = entry
+    keep, slots = entry
     if keep is not None:
         key, value = key[keep], value[keep]
     if kv_cache.is_contiguous():   # slot s is row s of each half seen as [slots, heads, head_dim]
@@ -60,6 +58,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         rows[1].index_copy_(0, slots, value.to(kv_cache.dtype))
         return
     # A strided cache (a view) cannot be seen as rows: index its 5-D form, which writes in place.
+    block_size = kv_cache.shape[2]
+    blocks, offsets = slots // block_size, slots % block_size
     kv_cache[0, blocks, offsets] = key.to(kv_cache.dtype)
     kv_cache[1, blocks, offsets] = value.to(kv_cache.dtype)
 

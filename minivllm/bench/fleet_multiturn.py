@@ -178,7 +178,8 @@ def main_multiturn(args) -> None:
     print(f"\n{args.conversations} conversations x {args.turns} turns, greedy, {args.max_tokens} "
           f"tokens a turn; 2 prefill + 2 decode replicas; --pd-min-uncached-tokens "
           f"{args.pd_min_uncached_tokens} --overlap-score-weight {args.overlap_score_weight:g}. "
-          f"Ideal: one engine with a cache big enough for everything, hit rate {ideal:.1%}. Greedy outputs identical across routers: {same}.")
+          f"Ideal: one engine with a cache big enough for everything, hit rate {ideal:.1%}. "
+          f"Greedy outputs identical across routers: {same}.")
     print("| router | requests (failed) | prompt tokens | prompt tokens computed | hit rate "
           "(ideal - it) | remote prefills skipped | TTFT p50 / p99 s | start-up s |")
     print("|---|---|---|---|---|---|---|---|")

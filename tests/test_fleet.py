@@ -121,7 +121,7 @@ def test_redis_store_fleet_across_nodes_with_its_own_secured_store(cluster, tiny
         view = httpx.get(f.url + "/fleet", headers=AUTH, timeout=30).json()["kv_store"]
         assert view == {"connector": "RedisStoreConnector", "url": store["url"], "path": None,
                         "started_by_fleet": True, "password": True}
-        password = ray.get(f._store.password.remote())
+        password = f._store.password
         with redis.Redis.from_url(store["url"], password=password, socket_timeout=5) as client:
             assert client.keys("mv:*") and client.info("stats")["keyspace_hits"] > 0
     finally:
@@ -166,7 +166,7 @@ def test_keys_stay_out_of_serve_and_a_running_serve_keeps_its_port(fleet):
     """The clients' key is nowhere in what Serve shows; the replicas serve no HTTP of their own
     (the ingress calls them through handles). A second fleet asking the running Serve for another
     port is refused before it starts anything; the running fleet is untouched."""
-    from minivllm.disagg.fleet_config import FleetConfigError
+    from minivllm.disagg.fleet_app import FleetConfigError
     shown = _deployed_config_text()
     assert KEY not in shown
     port = int(fleet.url.rsplit(":", 1)[1])

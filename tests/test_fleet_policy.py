@@ -1,7 +1,7 @@
 """The fleet's autoscaling policy (minivllm/disagg/autoscale.py) on recorded metric series, without
 Ray; the fleet command without Ray installed; the fleet's config checks, the Serve config it deploys
-and the HTTP options it takes (disagg/fleet_config.py); its KV store's pure parts
-(disagg/fleet_store.py)."""
+and the HTTP options it takes (disagg/fleet_app.py); the records ``GET /fleet`` shows
+(fleet_replicas.FleetState)."""
 from __future__ import annotations
 
 import subprocess
@@ -106,9 +106,8 @@ def test_shared_storage_is_refused_where_the_folder_is_not_seen(tmp_path):
     assert zmq["kv_connector_extra_config"]["side_channel_host"] == "10.0.0.1"
 
 
-def test_config_checks_and_the_own_store_decision():
+def test_config_checks():
     from minivllm.disagg.fleet import FleetConfig, check_config
-    from minivllm.disagg.fleet_store import needs_own_store
     check_config(FleetConfig("m", "RedisStoreConnector"))            # the fleet starts the store
     check_config(FleetConfig("m", "RedisStoreConnector", kv_store_url="redis://h:6379/0"))
     with pytest.raises(ValueError, match="kv_connector must be one of"):
@@ -117,14 +116,15 @@ def test_config_checks_and_the_own_store_decision():
         check_config(FleetConfig("m", "ZmqPullConnector", kv_store_url="redis://h:6379/0"))
     with pytest.raises(ValueError, match="must start with one of"):
         check_config(FleetConfig("m", "RedisStoreConnector", kv_store_url="http://h:6379"))
-    assert needs_own_store("RedisStoreConnector", None)
-    assert not needs_own_store("RedisStoreConnector", "redis://h:6379/0")   # the user's store
-    assert not needs_own_store("ZmqPullConnector", None)
+    with pytest.raises(ValueError, match="router must be one of"):
+        check_config(FleetConfig("m", router="random"))
+    with pytest.raises(ValueError, match="pd_min_uncached_tokens"):
+        check_config(FleetConfig("m", pd_min_uncached_tokens=-1))
 
 
 def test_store_url_warning_and_view_never_show_a_password():
     from minivllm.disagg.fleet_replicas import kv_transfer_config
-    from minivllm.disagg.fleet_store import describe
+    from minivllm.distributed.kv_transfer.redis_store import redacted
     from minivllm.kvstore import store_url, unguarded_warning
     assert store_url("10.0.0.1", 6379) == "redis://10.0.0.1:6379/0"
     assert store_url("fd00::1", 6379) == "redis://[fd00::1]:6379/0"
@@ -132,8 +132,7 @@ def test_store_url_warning_and_view_never_show_a_password():
         store_url("10.0.0.1", 0)
     assert "without a password" in unguarded_warning("10.0.0.1", None)
     assert unguarded_warning("10.0.0.1", "pw") is None and unguarded_warning("127.0.0.1", None) is None
-    view = describe("RedisStoreConnector", "redis://:s3cret@10.0.0.1:6379/0", password=True)
-    assert view["url"] == "redis://:***@10.0.0.1:6379/0" and "s3cret" not in str(view)
+    assert redacted("redis://:s3cret@10.0.0.1:6379/0") == "redis://:***@10.0.0.1:6379/0"
     config = {"kv_connector": "RedisStoreConnector", "kv_store_url": "redis://10.0.0.1:6379/0"}
     extra = kv_transfer_config("decode", config, "10.0.0.2", "pw")["kv_connector_extra_config"]
     assert extra == {"url": "redis://10.0.0.1:6379/0", "password": "pw"}
@@ -142,20 +141,18 @@ def test_store_url_warning_and_view_never_show_a_password():
 
 def test_the_deployed_config_carries_no_key():
     """Serve keeps the application config in Ray's GCS and shows it (``serve config``): the keys
-    go to FleetState (``fleet_keys``), not into the ``ServeDeploySchema`` the fleet deploys."""
+    go to FleetState (``keys()``), not into the ``ServeDeploySchema`` the fleet deploys."""
     import json
     from dataclasses import asdict
 
-    from minivllm.disagg.fleet_config import (APP, SECRETS, FleetConfig, app_config,
-                                              fleet_keys)
+    from minivllm.disagg.fleet_app import APP, FleetConfig, app_config
     config = FleetConfig("m", "RedisStoreConnector", api_keys=["client-key-1"],
                          secure=True, state_actor="fleet-state-x")
     app = app_config(config, T)
     assert "client-key-1" not in json.dumps(app)
-    assert set(app["args"]["config"]) == set(asdict(config)) - set(SECRETS)
+    assert set(app["args"]["config"]) == set(asdict(config)) - {"api_keys"}
     assert app["args"]["targets"] == asdict(T) and app["name"] == APP
     assert app["autoscaling_policy"]["policy_kwargs"]["state_actor"] == "fleet-state-x"
-    assert fleet_keys(config) == {"api_keys": ["client-key-1"]}
     schema = pytest.importorskip("ray.serve.schema")     # pydantic only: no Ray starts
     deployed = schema.ServeDeploySchema(applications=[app]).model_dump_json()
     assert "client-key-1" not in deployed
@@ -166,7 +163,7 @@ def test_a_running_serve_keeps_its_http_options():
     """Serve applies ``http_options`` only when it starts: joining a cluster whose Serve runs, the
     ingress is on that Serve's host and port; asking for others is an error naming them."""
     from minivllm.disagg.fleet import _parser
-    from minivllm.disagg.fleet_config import FleetConfigError, http_options
+    from minivllm.disagg.fleet_app import FleetConfigError, http_options
     assert http_options(None, None, None) == {"host": "127.0.0.1", "port": 8000}
     assert http_options("0.0.0.0", 0, None) == {"host": "0.0.0.0", "port": 0}   # 0: a free one
     running = {"host": "0.0.0.0", "port": 8000}
@@ -184,7 +181,8 @@ def test_fleet_lists_a_decision_only_when_a_count_or_a_wish_changes():
     """Every tick goes to the ``metrics`` series; ``/fleet``'s decisions are the changes, with
     times a person reads, and each role shows only its own metrics beside the replicas' events."""
     from minivllm.disagg.autoscale import FleetAutoscalingPolicy
-    from minivllm.disagg.fleet_replicas import ROLE_METRICS, FleetState
+    from minivllm.disagg.autoscale import ROLE_METRICS
+    from minivllm.disagg.fleet_replicas import FleetState
     state = FleetState({"prefill": [1, 2], "decode": [1, 2]})
     policy = FleetAutoscalingPolicy(upscale_delay_s=1.0, downscale_delay_s=5.0)
     series = [tick()] * 20 + [tick(queued=1500)] * 4 + [tick()] * 20
@@ -203,10 +201,11 @@ def test_fleet_lists_a_decision_only_when_a_count_or_a_wish_changes():
     assert [(x["prefill"], "wants" in x["reason"]) for x in rec["decisions"]] == [
         (1, False), (1, True), (2, False), (2, True), (1, False)]
     assert rec["decisions"][0]["at"].startswith("2027-01-15 08:00:00.000")
-    state.register("decode", "r1")
-    state.register("decode", "r2")
-    state.deregister("decode", "r1")                      # it said it drains
-    state.deregister("decode", "r2", "left")              # the router saw it go, undrained
+    state.record_event("decode", "r1", "serving")
+    state.record_event("decode", "r2", "serving")
+    state.record_event("decode", "r1", "draining")        # it said it drains
+    state.record_event("decode", "r1", "lost")            # then the router saw it go: not lost
+    state.record_event("decode", "r2", "lost")            # the router saw it go, undrained
     view = state.view()
     assert [e["event"] for e in view["events"]] == ["serving", "serving", "draining", "lost"]
     assert view["events"][-1]["at"] and view["decode"]["replicas"] == 0

@@ -1,23 +1,19 @@
 """The fleet's autoscaling policy: how many prefill and decode replicas the live request mix needs.
 
 The article: "we run N vLLM prefill instances and M vLLM decode instances, autoscaling them based
-on the live request mix". The two roles load differently: a burst of long prompts queues prompt
-tokens in front of the prefill replicas and leaves decode idle; long generations fill the decode
-replicas' batches and KV cache while prefill idles. So one policy sizes both counts together from
-each role's own load (NVIDIA Dynamo's planner does the same from load and SLOs):
+on the live request mix". A burst of long prompts queues prompt tokens in front of prefill and
+leaves decode idle; long generations fill decode's batches and KV cache while prefill idles. So
+one policy sizes both counts from each role's own load (NVIDIA Dynamo's planner does the same):
 
 - prefill: ``ceil(queued prompt tokens / prefill_target_queued_tokens)`` replicas;
-- decode: ``ceil(running requests / decode_target_running)`` replicas, one more while the mean KV
-  usage is above ``decode_target_kv_usage``;
-- each clamped to its ``[min, max]``; a change is applied only once it has been wanted without a
-  break for ``upscale_delay_s`` (up) or ``downscale_delay_s`` (down), so a noisy series does not
-  flap.
+- decode: ``ceil(running requests / decode_target_running)``, one more while the mean KV usage is
+  above ``decode_target_kv_usage``;
+- each clamped to ``[min, max]``, and applied only once wanted without a break for
+  ``upscale_delay_s`` (up) or ``downscale_delay_s`` (down), so a noisy series does not flap.
 
-``decide`` is a pure function (metrics and the previous state in, counts and a reason out): the
-tests drive it with recorded series, no Ray. ``FleetAutoscalingPolicy`` adapts it to Ray Serve's
-application-level ``autoscaling_policy`` (ray/serve/autoscaling_policy.py,
-``_apply_app_level_autoscaling_config``), which hands it every deployment's
-``AutoscalingContext`` at once, so both counts are decided in one place.
+``decide`` is pure (the tests drive it with recorded series, no Ray). ``FleetAutoscalingPolicy``
+is Ray Serve's application-level ``autoscaling_policy`` (ray/serve/autoscaling_policy.py), which
+gets every deployment's ``AutoscalingContext`` at once, so both counts are decided in one place.
 """
 from __future__ import annotations
 
@@ -26,8 +22,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-PREFILL_METRICS = ("waiting_prompt_tokens", "running_prefills", "ttft_recent_s")
-DECODE_METRICS = ("running_requests", "kv_cache_usage", "itl_recent_s")
+# What each role's replicas report (fleet_replicas.engine_load) and ``GET /fleet`` shows of it.
+ROLE_METRICS = {"prefill": ("waiting_prompt_tokens", "running_prefills", "kv_cache_usage",
+                            "ttft_recent_s"),
+                "decode": ("running_requests", "kv_cache_usage", "itl_recent_s")}
+AVERAGED = ("kv_cache_usage", "ttft_recent_s", "itl_recent_s")      # the rest are summed
 
 
 @dataclass
@@ -86,59 +85,48 @@ def _wanted(role: str, metrics: dict, current: int, t: FleetTargets) -> tuple[in
 
 def decide(metrics: dict[str, dict[str, float]], current: dict[str, int], targets: FleetTargets,
            state: Optional[dict] = None, now: Optional[float] = None) -> Decision:
-    """Both roles' counts from their load.
-
-    metrics: ``{"prefill": {"waiting_prompt_tokens": ..., ...}, "decode": {"running_requests": ...,
-    "kv_cache_usage": ...}}``, each summed over the role's replicas (KV usage: their mean).
-    current: ``{"prefill": n, "decode": m}``, the counts decided so far (Serve's targets). state: the previous ``Decision.state``
-    (when each role's current wish began). Returns the counts to run now and the reason.
-    """
+    """Both roles' counts from their load. ``metrics``: ``{role: role_metrics(...)}``;
+    ``current``: ``{role: count}`` decided so far (Serve's targets); ``state``: the previous
+    ``Decision.state`` (which way each role wishes to go, and since when)."""
     now = time.time() if now is None else now
     state = dict(state or {})
     out, reasons = {}, []
     for role in ("prefill", "decode"):
-        cur = int(current.get(role, 0))
+        cur = out[role] = int(current.get(role, 0))
         want, why = _wanted(role, metrics.get(role, {}), cur, targets)
-        since_key, wish_key = f"{role}_since", f"{role}_wish"
-        if want == cur:
-            state.pop(since_key, None)
-            state.pop(wish_key, None)
-            out[role] = cur
+        direction = "up" if want > cur else "down" if want < cur else None
+        if direction is None or state.get(f"{role}_wish") != direction:
+            state.pop(f"{role}_wish", None)           # no wish, or a new one: its clock starts
+            state.pop(f"{role}_since", None)
+        if direction is None:
             reasons.append(f"{role} stays {cur} ({why})")
             continue
-        direction = "up" if want > cur else "down"
-        if state.get(wish_key) != direction:           # a new wish: its clock starts now
-            state[wish_key], state[since_key] = direction, now
+        since = state.setdefault(f"{role}_since", now)
+        state[f"{role}_wish"] = direction
         delay = targets.upscale_delay_s if direction == "up" else targets.downscale_delay_s
-        held = now - state[since_key]
-        if held >= delay:
+        if now - since >= delay:
             out[role] = want
-            state.pop(since_key, None)
-            state.pop(wish_key, None)
-            reasons.append(f"{role} {cur}->{want} ({why}, wanted for {held:.1f} s)")
+            del state[f"{role}_wish"], state[f"{role}_since"]
+            reasons.append(f"{role} {cur}->{want} ({why}, wanted for {now - since:.1f} s)")
         else:
-            out[role] = cur
-            reasons.append(f"{role} stays {cur}, wants {want} ({why}, {held:.1f}/{delay:.1f} s)")
+            reasons.append(f"{role} stays {cur}, wants {want} ({why}, {now - since:.1f}/"
+                           f"{delay:.1f} s)")
     return Decision(out["prefill"], out["decode"], "; ".join(reasons), state)
 
 
 def role_metrics(role: str, aggregated: dict[str, dict[Any, float]]) -> dict[str, float]:
-    """One role's load from Serve's ``aggregated_metrics`` (``{metric: {replica_id: value}}``):
-    sums over the replicas, KV usage and the recent latencies averaged."""
+    """One role's load from Serve's ``aggregated_metrics`` (``{metric: {replica_id: value}}``)."""
     out = {}
-    for name in PREFILL_METRICS + DECODE_METRICS:      # both, so /fleet shows each role's KV too
+    for name in ROLE_METRICS[role]:
         values = [float(v) for v in (aggregated.get(name) or {}).values()]
-        averaged = name in ("kv_cache_usage", "ttft_recent_s", "itl_recent_s")
-        out[name] = (sum(values) / len(values) if averaged else sum(values)) if values else 0.0
+        out[name] = (sum(values) / len(values) if name in AVERAGED else sum(values)) if values else 0.0
     return out
 
 
 class FleetAutoscalingPolicy:
-    """Ray Serve's application-level policy (``autoscaling_policy: {policy_function:
-    "minivllm.disagg.autoscale:FleetAutoscalingPolicy", policy_kwargs: {...FleetTargets}}``). Serve
-    builds it once in its controller and calls it every control-loop tick with
-    ``{DeploymentID: AutoscalingContext}``; it returns ``({DeploymentID: replicas}, state)``. Each
-    decision also goes to the fleet's state actor (``fleet.FleetState``), for ``GET /fleet``."""
+    """Serve's application-level policy (fleet_app.app_config names it). Serve builds it once in
+    its controller and calls it every control-loop tick with ``{DeploymentID: AutoscalingContext}``;
+    it returns ``({DeploymentID: replicas}, state)``. Each tick also goes to ``FleetState``."""
 
     def __init__(self, state_actor: str = "", namespace: str = "", **targets: Any) -> None:
         self.targets = FleetTargets(**targets)

@@ -17,10 +17,10 @@ DEFAULT_PATH = "figures/fleet_routing.png"
 def names() -> dict:
     """The labels, read from the code."""
     from minivllm.core.kv_events_block_pool import KVEventsBlockPool
-    from minivllm.disagg import fleet_config, fleet_ingress, kv_index
+    from minivllm.disagg import fleet_app, fleet_ingress, kv_index
     from minivllm.disagg.fleet_replicas import EngineReplica
     from minivllm.distributed.kv_events import BlockRemoved, BlockStored, ZmqEventPublisher
-    config = {f.name for f in fields(fleet_config.FleetConfig)}
+    config = {f.name for f in fields(fleet_app.FleetConfig)}
     assert {"router", "pd_min_uncached_tokens"} <= config
     return {
         "ingress": fleet_ingress.HandleProxy.__qualname__,

@@ -1,26 +1,25 @@
-"""The fleet's ingress: the P/D proxy's two stages (disagg/proxy.py, the same validation, API key
-and ``X-Request-Id`` flow) over ``DeploymentHandle``s, as Ray Serve LLM's P/D builder calls its
-prefill and decode deployments, plus ``GET /fleet`` and ``GET /fleet/records``.
+"""The fleet's ingress: the P/D proxy's endpoints (proxy.build_app: the same validation, 400s and
+API key) over ``DeploymentHandle``s, as Ray Serve LLM's P/D builder calls its prefill and decode
+deployments, plus ``GET /fleet`` and ``GET /fleet/records``.
 
 Per request, decode first (llm-d's ``disagg-profile-handler`` and ``prefix-based-pd-decider``):
 
-1. The ingress tokenizes the prompt (the chat template included, the engines' own function), so
-   that it hashes the same blocks the engines' prefix caches hold.
-2. With ``--router kv`` it picks the decode replica from the decode pool's KV index
-   (kv_pool.PoolView.choose: Dynamo's score, lowest wins). When that replica already holds all
-   but at most ``--pd-min-uncached-tokens`` of the prompt, it computes the rest itself: no remote
-   prefill runs. Otherwise a prefill replica, picked the same way over the prefill pool, prefills
-   and its ``kv_transfer_params`` go to the decode replica, as in the proxy.
-3. The decode call streams back (``handle.options(stream=True)``) as it comes. The route (the
-   candidates, the blocks each held, their scores, the pick, whether the prefill was remote) goes
-   to ``FleetState`` (``/fleet/records``'s ``routes``).
+1. Tokenize the prompt (the chat template included), so that the ingress hashes the same blocks
+   the engines' prefix caches hold.
+2. With ``--router kv``, pick the decode replica from the decode pool's KV index
+   (kv_pool.PoolView.choose: Dynamo's score, lowest wins). When it holds all but at most
+   ``--pd-min-uncached-tokens`` of the prompt, it computes the rest itself. Otherwise a prefill
+   replica, picked the same way, prefills, and its ``kv_transfer_params`` go to the decode call.
+3. Stream the decode call back (``handle.options(stream=True)``) and record the route (the
+   candidates, the blocks each held, their scores, the pick, whether the prefill was remote).
 
-A replica that dies is Serve's to notice and replace: a call to it fails, and the request goes to
-another (before its first byte) or ends with an OpenAI error event (mid-stream).
+A replica that dies is Serve's to notice and replace: the request goes to another (before its
+first byte) or ends with an OpenAI error event (mid-stream).
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
 import uuid
@@ -30,16 +29,17 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
-from minivllm.disagg.fleet_replicas import NAMESPACE, ROLES, readable
+from minivllm.disagg.fleet_app import NAMESPACE, ROLES
+from minivllm.disagg.fleet_replicas import readable
 from minivllm.disagg.kv_index import needs_remote_prefill
-from minivllm.disagg.proxy import DisaggProxy, _error, build_app
+from minivllm.disagg.proxy import DisaggProxy, _error, build_app, prefill_body
 
 HEALTH_TIMEOUT_S = 10.0
 
 
 class FleetIngress:
-    """The ingress deployment (``serve.ingress()`` with no app: Serve calls
-    ``__serve_build_asgi_app__`` once the replica runs). ``prefill`` and ``decode``: the engine
+    """The ingress deployment, built with ``serve.ingress()`` and no app: Serve calls
+    ``__serve_build_asgi_app__`` once the replica runs. ``prefill``, ``decode``: the engine
     deployments' handles (Serve passes a bound deployment to a constructor as its handle)."""
 
     def __init__(self, config: dict, prefill: Any, decode: Any) -> None:
@@ -49,8 +49,7 @@ class FleetIngress:
         import ray
         state = ray.get_actor(self.config["state_actor"], namespace=NAMESPACE)
         keys = await state.keys.remote()
-        proxy = HandleProxy(self.config, self.handles, state)
-        app = build_app(proxy, tuple(keys.get("api_keys") or ()),
+        app = build_app(HandleProxy(self.config, self.handles, state), tuple(keys["api_keys"]),
                         guarded=("/v1", "/proxy", "/fleet"))
 
         @app.get("/fleet")
@@ -60,23 +59,25 @@ class FleetIngress:
         @app.get("/fleet/records")
         async def records():
             return await state.records.remote()
-        return _OneRequestId(app)
+        return app
 
 
-class HandleProxy(DisaggProxy):
+class HandleProxy:
+    """What proxy.build_app calls (``handle``, ``models``, ``health``, ``records``), over handles."""
+
     def __init__(self, config: dict, handles: dict, state: Any) -> None:
         from minivllm.disagg.kv_pool import pool_view
         from minivllm.model_executor.model_loader import load_tokenizer, resolve_model_path
-        super().__init__([], [], dynamic=True)
         self.config, self.handles, self.state = config, handles, state
         self.tokenizer = load_tokenizer(resolve_model_path(config["model"]))
-        # In flight per replica, as this ingress placed them (the score's load term; Dynamo's
-        # router keeps the same count of its active sequences): requests, and their prompt blocks.
+        self.records: collections.deque = collections.deque(maxlen=1000)  # /proxy/requests
+        # In flight per replica, as this ingress placed them: the score's load term (Dynamo's
+        # router counts its active sequences the same way). Requests, and their prompt blocks.
         self.ongoing = {role: Counter() for role in ROLES}
         self.blocks_in_flight = {role: Counter() for role in ROLES}
         self.pools = {role: pool_view(role) for role in ROLES}
         for role, pool in self.pools.items():      # a replica gone without draining: "lost"
-            pool.on_left = (lambda r: lambda uid: state.deregister.remote(r, uid, "left"))(role)
+            pool.on_left = (lambda r: lambda uid: state.record_event.remote(r, uid, "lost"))(role)
 
     def prompt_token_ids(self, path: str, body: dict) -> Optional[list]:
         """The prompt as the engine will see it, or None (a batch, or a body the replica will
@@ -98,7 +99,7 @@ class HandleProxy(DisaggProxy):
             return None
 
     def _choose(self, role: str, token_ids: Optional[list]) -> tuple[Optional[str], dict]:
-        if self.config.get("router") != "kv" or not token_ids:
+        if self.config["router"] != "kv" or not token_ids:
             return None, {}
         return self.pools[role].choose(token_ids, dict(self.ongoing[role]),
                                        dict(self.blocks_in_flight[role]),
@@ -132,40 +133,41 @@ class HandleProxy(DisaggProxy):
                 gen.cancel()              # the client went away: the replica aborts the request
 
     async def handle(self, path: str, raw: Request) -> Response:
-        body, request_id, bad_request = await self._read_request(raw)
+        body, request_id, bad_request = await DisaggProxy._read_request(raw)
         if bad_request is not None:
             return bad_request
         token_ids = self.prompt_token_ids(path, body)
-        if token_ids is not None and path.endswith("/completions") and \
-                not path.endswith("chat/completions") and not body.get("echo"):
+        if token_ids and path == "/v1/completions" and not body.get("echo"):
             body = dict(body, prompt=token_ids)      # the engines hash exactly these tokens
-        decode_pick, decode_route = self._choose("decode", token_ids)
-        remote = decode_pick is None or needs_remote_prefill(
-            len(token_ids), decode_route["cached_blocks"], decode_route["block_size"],
-            int(self.config.get("pd_min_uncached_tokens", 0)))
-        route = {"time": time.time(), "at": readable(time.time()), "request_id": request_id,
+        pick, droute = self._choose("decode", token_ids)
+        remote = pick is None or needs_remote_prefill(
+            len(token_ids), droute["cached_blocks"], droute["block_size"],
+            int(self.config["pd_min_uncached_tokens"]))
+        now = time.time()
+        route = {"time": now, "at": readable(now), "request_id": request_id,
                  "prompt_tokens": len(token_ids) if token_ids else None,
-                 "prompt_blocks": decode_route.get("prompt_blocks"),
-                 "weight": decode_route.get("weight"),
-                 "candidates": decode_route.get("candidates", []), "pick": decode_pick,
+                 "prompt_blocks": droute.get("prompt_blocks"), "weight": droute.get("weight"),
+                 "candidates": droute.get("candidates", []), "pick": pick,
                  "remote_prefill": remote, "prefill": None}
-        kv_params, held = None, (decode_pick, decode_route.get("prompt_blocks") or 0)
+        self.records.append(route)
         if remote:
             # The decode pick counts as in flight through the prefill too, so that the picks made
             # meanwhile see it; its decode call counts it again, from its start.
-            if decode_pick is not None:
+            held = (pick, route["prompt_blocks"] or 0)
+            if pick is not None:
                 self._count("decode", *held, +1)
             try:
                 kv_params, client_error = await self._prefill(path, body, request_id, token_ids,
                                                               route)
             finally:
-                if decode_pick is not None:
+                if pick is not None:
                     self._count("decode", *held, -1)
             if client_error is not None:
                 return client_error
-        dbody = dict(body, kv_transfer_params=kv_params) if kv_params is not None else body
+            if kv_params is not None:
+                body = dict(body, kv_transfer_params=kv_params)
         try:
-            return await self._decode(path, dbody, request_id, decode_pick, route)
+            return await self._decode(path, body, request_id, pick, route)
         finally:
             self.state.record_routes.remote([route])          # fire and forget
 
@@ -175,37 +177,33 @@ class HandleProxy(DisaggProxy):
         a client-error response to pass back or None). A failed prefill is skipped: the decode
         replica then computes the prompt itself (slower, the same output)."""
         pick, proute = self._choose("prefill", token_ids)
-        route["prefill"] = dict(proute, served_by=None, error=None)
-        pbody = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
-        if "max_completion_tokens" in pbody:
-            pbody["max_completion_tokens"] = 1
-        for key in ("stream_options", "min_tokens"):
-            pbody.pop(key, None)
+        prefill = route["prefill"] = dict(proute, served_by=None, error=None)
         status, content = 0, b""
         try:
-            async for item in self._call("prefill", path, pbody, request_id, pick,
+            async for item in self._call("prefill", path, prefill_body(body), request_id, pick,
                                          proute.get("prompt_blocks", 0)):
                 if isinstance(item, dict):
-                    status, route["prefill"]["served_by"] = item["status"], item["replica"]
+                    status, prefill["served_by"] = item["status"], item["replica"]
                 else:
                     content += item
         except Exception as e:                            # noqa: BLE001  Serve replaces it
-            route["prefill"]["error"] = f"{type(e).__name__}: {e}"[:300]
+            prefill["error"] = f"{type(e).__name__}: {e}"[:300]
             return None, None
         if 400 <= status < 500:                           # the request itself is bad: say so
             return None, Response(content, status, media_type="application/json")
         if status != 200:
-            route["prefill"]["error"] = f"HTTP {status}"
+            prefill["error"] = f"HTTP {status}"
             return None, None
         answer = json.loads(content)
-        route["prefill"]["usage"] = answer.get("usage")   # its prompt tokens and cache hits
+        prefill["usage"] = answer.get("usage")            # its prompt tokens and cache hits
         return answer.get("kv_transfer_params"), None
 
     async def _decode(self, path: str, body: dict, request_id: str, pick: Optional[str],
                       route: dict) -> Response:
         """The decode call; a replica that fails before its first byte is skipped once (Serve
-        routes the retry to another, the pick no longer pinned)."""
-        for attempt, replica in enumerate((pick, None)):
+        routes the retry to another, the pick no longer pinned). Serve's HTTP proxy puts the
+        ``X-Request-Id`` on the answer."""
+        for replica in (pick, None):
             gen = self._call("decode", path, body, request_id, replica,
                              route["prompt_blocks"] or 0)
             try:
@@ -215,7 +213,7 @@ class HandleProxy(DisaggProxy):
                 continue
             route["served_by"] = head["replica"]
             media = head["headers"].get("content-type", "application/json")
-            headers = {"X-Request-Id": request_id, "X-Decode-Instance": head["replica"],
+            headers = {"X-Decode-Instance": head["replica"],
                        "X-Prefill-Instance": str((route["prefill"] or {}).get("served_by")),
                        "X-Remote-Prefill": str(route["remote_prefill"]).lower()}
             if body.get("stream"):
@@ -226,11 +224,9 @@ class HandleProxy(DisaggProxy):
         return _error(f"no decode replica answered ({route.get('decode_error')}).", 503)
 
     async def models(self) -> Response:
-        gen = self._call("decode", "/v1/models", None, uuid.uuid4().hex, None, method="GET")
-        head, content = None, b""
-        async for item in gen:
-            head, content = (item, content) if isinstance(item, dict) else (head, content + item)
-        return Response(content, head["status"], media_type="application/json")
+        items = [x async for x in self._call("decode", "/v1/models", None, uuid.uuid4().hex,
+                                             None, method="GET")]
+        return Response(b"".join(items[1:]), items[0]["status"], media_type="application/json")
 
     async def health(self) -> Response:
         """200 once each pool has a replica that answers."""
@@ -254,23 +250,3 @@ async def _relay(gen: AsyncIterator[Any]) -> AsyncIterator[bytes]:
         yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
     finally:
         await gen.aclose()                                # Serve cancels the replica's call
-
-
-class _OneRequestId:
-    """Serve's HTTP proxy already puts ``X-Request-Id`` on the request (the client's, else a new
-    one, which the proxy's stages then carry) and on the answer; the proxy's copy of the header
-    is dropped here so the client sees it once."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    def __getattr__(self, name: str) -> Any:      # FastAPI attributes Serve looks at
-        return getattr(self.app, name)
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        async def send_once(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                message = dict(message, headers=[(k, v) for k, v in message.get("headers", [])
-                                                 if k.lower() != b"x-request-id"])
-            await send(message)
-        await self.app(scope, receive, send_once if scope["type"] == "http" else send)

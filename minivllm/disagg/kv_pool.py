@@ -6,7 +6,7 @@ ingress (which picks) and the pool's request router (kv_router.py, which keeps i
 ``KVEventSubscriber`` per replica, its endpoints read from the replica's routing stats). The load
 term comes from the ingress, which counts what it has in flight on each replica (``choose``). A
 replica that leaves is forgotten, and ``on_left`` tells the fleet's state
-(``FleetState.deregister``: "lost" unless it was draining).
+(``FleetState.record_event``: "lost" unless it was draining).
 """
 from __future__ import annotations
 

@@ -69,11 +69,6 @@ class RoundRobin:
         self.instances = [Instance(u.rstrip("/")) for u in urls]
         self._next = 0
 
-    def update(self, urls: list[str]) -> None:
-        """A new membership (the fleet's replicas come and go); known instances keep their marks."""
-        known = {i.url: i for i in self.instances}
-        self.instances = [known.get(u.rstrip("/")) or Instance(u.rstrip("/")) for u in urls]
-
     def order(self) -> list[Instance]:
         """Every instance once, starting at the next in turn, the ones marked down last."""
         n = len(self.instances)
@@ -85,6 +80,17 @@ class RoundRobin:
         return [i for i in ring if i.down_until <= now] + [i for i in ring if i.down_until > now]
 
 
+def prefill_body(body: dict) -> dict:
+    """The body a prefill instance gets: one token, no stream, and the request to keep its KV for
+    a remote decode (``kv_transfer_params={"do_remote_decode": true}``)."""
+    pbody = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    if "max_completion_tokens" in pbody:
+        pbody["max_completion_tokens"] = 1
+    for key in ("stream_options", "min_tokens"):
+        pbody.pop(key, None)
+    return pbody
+
+
 def _error(message: str, code: int) -> Response:
     return error_response(message, code)
 
@@ -92,10 +98,8 @@ def _error(message: str, code: int) -> Response:
 class DisaggProxy:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str],
                  prefill_timeout: float = 120.0, down_seconds: float = 5.0,
-                 backend_api_key: Optional[str] = None, backend_ca: Optional[str] = None,
-                 dynamic: bool = False) -> None:
-        # ``dynamic``: the pools start empty and ``refresh`` fills them (the fleet's ingress).
-        if not dynamic and (not prefill_urls or not decode_urls):
+                 backend_api_key: Optional[str] = None, backend_ca: Optional[str] = None) -> None:
+        if not prefill_urls or not decode_urls:
             raise ValueError("the proxy needs at least one --prefill and one --decode URL.")
         self.prefill = RoundRobin(prefill_urls)
         self.decode = RoundRobin(decode_urls)
@@ -110,18 +114,9 @@ class DisaggProxy:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), verify=verify,
                                         limits=httpx.Limits(max_connections=None))
 
-    async def refresh(self) -> None:
-        """Called before every request: a hook for pools whose membership changes (the fleet's
-        ingress, disagg/fleet.py, reads its replicas here). A fixed proxy has nothing to do."""
-
     async def _prefill_stage(self, path: str, body: dict, request_id: str, record: dict):
         """Returns (kv_transfer_params or None, a client-error response to pass back or None)."""
-        pbody = dict(body, max_tokens=1, stream=False,
-                     kv_transfer_params={"do_remote_decode": True})
-        if "max_completion_tokens" in pbody:
-            pbody["max_completion_tokens"] = 1
-        for key in ("stream_options", "min_tokens"):
-            pbody.pop(key, None)
+        pbody = prefill_body(body)
         ring = self.prefill.order()
         inst = ring[0] if ring else None
         if inst is None or inst.down_until > time.monotonic():   # none, or every one is down
@@ -160,7 +155,6 @@ class DisaggProxy:
         body, request_id, bad_request = await self._read_request(raw)
         if bad_request is not None:
             return bad_request
-        await self.refresh()
         record = {"request_id": request_id, "path": path, "prefill": None, "prefill_s": None,
                   "prefill_error": None, "decode": None, "kv_transfer_params": None}
         self.records.append(record)
@@ -200,7 +194,6 @@ class DisaggProxy:
 
     async def models(self) -> Response:
         """``GET /v1/models``: a decode instance's answer."""
-        await self.refresh()
         for inst in self.decode.order():
             try:
                 r = await self.client.get(inst.url + "/v1/models", timeout=5.0, headers=self.auth)
@@ -215,7 +208,6 @@ class DisaggProxy:
                 return (await self.client.get(inst.url + "/health", timeout=5.0)).status_code == 200
             except httpx.HTTPError:
                 return False
-        await self.refresh()
         if not self.prefill.instances or not self.decode.instances:
             return _error("no prefill or no decode instance yet.", 503)
         insts = self.prefill.instances + self.decode.instances

@@ -93,7 +93,8 @@ def _wait(fleet, pred, timeout):
 def test_redis_store_fleet_across_nodes_with_its_own_secured_store(cluster, tiny_chat_dir):
     """``RedisStoreConnector`` without ``kv_store_url``: the fleet starts the store on this node's
     address, with a random password under ``secure``; prefill (head node) writes the KV there and
-    decode (the other node) reads it. First in the module: Serve runs one fleet at a time."""
+    decode (the other node) reads it. Two decode replicas: a conversation's second turn goes to
+    the one that holds its first. First in the module: Serve runs one fleet at a time."""
     import os
 
     import redis
@@ -102,7 +103,7 @@ def test_redis_store_fleet_across_nodes_with_its_own_secured_store(cluster, tiny
     config = FleetConfig(model=tiny_chat_dir, kv_connector="RedisStoreConnector", secure=True,
                          replica_num_cpus=1, api_keys=[KEY], pd_min_uncached_tokens=0,
                          server_args=["--max-model-len", "1024"])
-    f = start_fleet(config, FleetTargets(1, 1, 1, 1), startup_timeout=180)
+    f = start_fleet(config, FleetTargets(1, 1, 2, 2), startup_timeout=180)
     try:
         store = f.kv_store
         assert store["password"] and "@" not in store["url"]
@@ -124,9 +125,29 @@ def test_redis_store_fleet_across_nodes_with_its_own_secured_store(cluster, tiny
         password = f._store.password
         with redis.Redis.from_url(store["url"], password=password, socket_timeout=5) as client:
             assert client.keys("mv:*") and client.info("stats")["keyspace_hits"] > 0
+        _second_turn_goes_where_the_first_is_held(f)
     finally:
         f.stop()
     assert not os.path.exists(f"/proc/{store['pid']}")          # Redis stopped with the fleet
+
+
+def _second_turn_goes_where_the_first_is_held(f):
+    """Over two decode replicas, each conversation's second turn is picked where its first turn's
+    blocks are (their KV events said so), whichever replica that was."""
+    time.sleep(ROUTING_STATS_PERIOD_S + 0.5)    # the replicas have reported their events' address
+    firsts = {}
+    for i in range(2):
+        messages = [{"role": "user", "content": f"Conversation {i}. " + CONVERSATION[0]}]
+        text, rid = _chat(f, messages)
+        firsts[i] = (messages + [{"role": "assistant", "content": text},
+                                 {"role": "user", "content": CONVERSATION[1]}], _route(f, rid))
+    assert all(len(route["candidates"]) == 2 for _, route in firsts.values()), firsts
+    time.sleep(0.5)                             # the first turns' events have reached the index
+    for messages, first in firsts.values():
+        second = _route(f, _chat(f, messages)[1])
+        held = {c["replica"]: c["cached_blocks"] for c in second["candidates"]}
+        assert second["pick"] == first["served_by"] == second["served_by"], second
+        assert held[second["pick"]] > max(v for r, v in held.items() if r != second["pick"])
 
 
 def test_greedy_outputs_equal_one_instance(fleet):

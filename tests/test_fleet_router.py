@@ -159,20 +159,20 @@ def test_the_fleet_figure_is_drawn_from_the_codes_own_names(tmp_path):
     pytest.importorskip("matplotlib")
     from minivllm.disagg import fleet_figure
     labels = fleet_figure.names()
-    assert labels["score"] == score.__name__ and labels["ingress"] == "HandleProxy"
+    assert labels["score"] == score.__name__ and labels["ingress"] == "FleetIngress"
     assert (tmp_path / "f.png").exists() is False
     assert fleet_figure.draw(str(tmp_path / "f.png")) and (tmp_path / "f.png").stat().st_size > 0
 
 
 def test_the_ingress_counts_a_request_on_its_pick_while_it_streams_and_not_after():
-    """The score's load term is the ingress's own count (``HandleProxy._call``): a call counts
+    """The score's load term is the ingress's own count (``FleetIngress._call``): a call counts
     its prompt blocks on the picked replica from its start, so that a pick made while it streams
     sees them, and drops them when the stream ends or the client goes away. The handle here
     stands in for Serve's ``DeploymentHandle`` (the cluster tests drive the real one)."""
     import asyncio
     from collections import Counter
 
-    from minivllm.disagg.fleet_ingress import HandleProxy
+    from minivllm.disagg.fleet_ingress import FleetIngress
 
     class Stream:                         # what ``handle.options(stream=True).generate.remote``
         def __init__(self, replica):      # returns: an async iterator with ``cancel``
@@ -203,7 +203,7 @@ def test_the_ingress_counts_a_request_on_its_pick_while_it_streams_and_not_after
             return SimpleNamespace(remote=lambda *a, **kw: streams.append(
                 Stream(kw["routing"]["replica"] or "r9")) or streams[-1])
 
-    proxy = object.__new__(HandleProxy)
+    proxy = object.__new__(FleetIngress)
     proxy.handles = {"decode": Handle()}
     proxy.ongoing, proxy.blocks_in_flight = {"decode": Counter()}, {"decode": Counter()}
 

@@ -23,8 +23,8 @@ def names() -> dict:
     config = {f.name for f in fields(fleet_app.FleetConfig)}
     assert {"router", "pd_min_uncached_tokens"} <= config
     return {
-        "ingress": fleet_ingress.HandleProxy.__qualname__,
-        "tokenize": fleet_ingress.HandleProxy.prompt_token_ids.__name__,
+        "ingress": fleet_ingress.FleetIngress.__qualname__,
+        "tokenize": fleet_ingress.FleetIngress.prompt_token_ids.__name__,
         "choose": "PoolView.choose",
         "score": kv_index.score.__name__, "pick": kv_index.pick.__name__,
         "decide": kv_index.needs_remote_prefill.__name__,

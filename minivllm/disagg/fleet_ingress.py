@@ -39,36 +39,17 @@ HEALTH_TIMEOUT_S = 10.0
 
 class FleetIngress:
     """The ingress deployment, built with ``serve.ingress()`` and no app: Serve calls
-    ``__serve_build_asgi_app__`` once the replica runs. ``prefill``, ``decode``: the engine
-    deployments' handles (Serve passes a bound deployment to a constructor as its handle)."""
+    ``__serve_build_asgi_app__`` once the replica runs, and proxy.build_app's endpoints call
+    ``handle``, ``models`` and ``health``. ``prefill``, ``decode``: the engine deployments'
+    handles (Serve passes a bound deployment to a constructor as its handle)."""
 
     def __init__(self, config: dict, prefill: Any, decode: Any) -> None:
-        self.config, self.handles = config, {"prefill": prefill, "decode": decode}
-
-    async def __serve_build_asgi_app__(self) -> Any:
         import ray
-        state = ray.get_actor(self.config["state_actor"], namespace=NAMESPACE)
-        keys = await state.keys.remote()
-        app = build_app(HandleProxy(self.config, self.handles, state), tuple(keys["api_keys"]),
-                        guarded=("/v1", "/proxy", "/fleet"))
 
-        @app.get("/fleet")
-        async def fleet():
-            return await state.view.remote()
-
-        @app.get("/fleet/records")
-        async def records():
-            return await state.records.remote()
-        return app
-
-
-class HandleProxy:
-    """What proxy.build_app calls (``handle``, ``models``, ``health``, ``records``), over handles."""
-
-    def __init__(self, config: dict, handles: dict, state: Any) -> None:
         from minivllm.disagg.kv_pool import pool_view
         from minivllm.model_executor.model_loader import load_tokenizer, resolve_model_path
-        self.config, self.handles, self.state = config, handles, state
+        self.config, self.handles = config, {"prefill": prefill, "decode": decode}
+        self.state = state = ray.get_actor(config["state_actor"], namespace=NAMESPACE)
         self.tokenizer = load_tokenizer(resolve_model_path(config["model"]))
         self.records: collections.deque = collections.deque(maxlen=1000)  # /proxy/requests
         # In flight per replica, as this ingress placed them: the score's load term (Dynamo's
@@ -78,6 +59,19 @@ class HandleProxy:
         self.pools = {role: pool_view(role) for role in ROLES}
         for role, pool in self.pools.items():      # a replica gone without draining: "lost"
             pool.on_left = (lambda r: lambda uid: state.record_event.remote(r, uid, "lost"))(role)
+
+    async def __serve_build_asgi_app__(self) -> Any:
+        keys = await self.state.keys.remote()
+        app = build_app(self, tuple(keys["api_keys"]), guarded=("/v1", "/proxy", "/fleet"))
+
+        @app.get("/fleet")
+        async def fleet():
+            return await self.state.view.remote()
+
+        @app.get("/fleet/records")
+        async def records():
+            return await self.state.records.remote()
+        return app
 
     def prompt_token_ids(self, path: str, body: dict) -> Optional[list]:
         """The prompt as the engine will see it, or None (a batch, or a body the replica will

@@ -32,7 +32,8 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from minivllm.disagg.fleet_app import NAMESPACE, ROLES
 from minivllm.disagg.fleet_replicas import readable
 from minivllm.disagg.kv_index import needs_remote_prefill
-from minivllm.disagg.proxy import DisaggProxy, _error, build_app, prefill_body
+from minivllm.disagg.proxy import (DisaggProxy, _error, build_app, prefill_body,
+                                   stream_error)
 
 HEALTH_TIMEOUT_S = 10.0
 
@@ -239,8 +240,6 @@ async def _relay(gen: AsyncIterator[Any]) -> AsyncIterator[bytes]:
         async for chunk in gen:
             yield chunk
     except Exception as e:                                # noqa: BLE001  the replica died
-        err = {"error": {"message": f"decode replica failed mid-stream: {type(e).__name__}",
-                         "type": "InternalServerError", "param": None, "code": 502}}
-        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+        yield stream_error(f"decode replica failed mid-stream: {type(e).__name__}")
     finally:
         await gen.aclose()                                # Serve cancels the replica's call

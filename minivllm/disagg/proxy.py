@@ -223,11 +223,16 @@ async def _relay(resp: httpx.Response) -> AsyncIterator[bytes]:
         async for chunk in resp.aiter_raw():
             yield chunk
     except httpx.HTTPError as e:
-        err = {"error": {"message": f"decode instance failed mid-stream: {e!r}",
-                         "type": "InternalServerError", "param": None, "code": 502}}
-        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+        yield stream_error(f"decode instance failed mid-stream: {e!r}")
     finally:
         await resp.aclose()                     # also tells the decode instance to abort
+
+
+def stream_error(message: str) -> bytes:
+    """The end of a stream whose decode side failed: an OpenAI error event, then ``[DONE]``."""
+    err = {"error": {"message": message, "type": "InternalServerError", "param": None,
+                     "code": 502}}
+    return f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
 
 
 def build_app(proxy: DisaggProxy, api_keys: tuple[str, ...] = (),

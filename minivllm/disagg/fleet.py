@@ -47,9 +47,11 @@ from minivllm.disagg.fleet_app import (APP, CONNECTORS, NAMESPACE, ROLES,  # noq
                                        FleetConfigError, app_config, check_config, http_options,
                                        parse_range)
 from minivllm.disagg.fleet_replicas import MARKER
-from minivllm.disagg.kv_index import OVERLAP_SCORE_WEIGHT
 
 INSTALL = 'the fleet runs on Ray Serve, which is not installed: pip install "minivllm[fleet]"'
+# FleetTargets' fields that are flags of their own (the bounds come from --prefill and --decode).
+POLICY_FLAGS = ("prefill_target_queued_tokens", "decode_target_running", "decode_target_kv_usage",
+                "upscale_delay_s", "downscale_delay_s")
 
 
 @dataclass
@@ -238,10 +240,11 @@ def _parser() -> argparse.ArgumentParser:
     from minivllm.entrypoints.openai.api_server import DEFAULT_MODEL
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    d, add = FleetTargets(), ap.add_argument
-    add("--prefill", default="1:3", help="prefill replicas, MIN:MAX or N")
-    add("--decode", default="1:3", help="decode replicas, MIN:MAX or N")
-    add("--kv-connector", default="ZmqPullConnector", choices=CONNECTORS)
+    d, c, add = FleetTargets(), FleetConfig(DEFAULT_MODEL), ap.add_argument   # their defaults
+    for role in ROLES:
+        add(f"--{role}", default=f"{getattr(d, role + '_min')}:{getattr(d, role + '_max')}",
+            help=f"{role} replicas, MIN:MAX or N")
+    add("--kv-connector", default=c.kv_connector, choices=CONNECTORS)
     add("--port", type=int, default=None,
         help="the ingress's port (default 8000). Where Serve already runs on the cluster, its HTTP "
              "options stay as they started: the ingress is on that Serve's host and port, and a "
@@ -249,8 +252,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--host", default=None, help="the address the ingress binds (default 127.0.0.1)")
     add("--address", default=None, help="join this Ray cluster (auto or HOST:PORT)")
     add("--model", default=DEFAULT_MODEL)
-    add("--seed", type=int, default=0)
-    add("--replica-num-cpus", type=float, default=1.0,
+    add("--seed", type=int, default=c.seed)
+    add("--replica-num-cpus", type=float, default=c.replica_num_cpus,
         help="Ray CPUs per engine replica; also its torch threads")
     add("--server-args", default="", help="extra flags for every engine replica")
     add("--api-key", nargs="+", default=None,
@@ -261,16 +264,16 @@ def _parser() -> argparse.ArgumentParser:
         help="RedisStoreConnector: a store you run (default: the fleet starts one)")
     add("--shared-storage-path", default=None,
         help="SharedStorageConnector: a folder every node mounts")
-    add("--router", default="kv", choices=ROUTER_NAMES,
+    add("--router", default=c.router, choices=ROUTER_NAMES,
         help="kv: by the KV each replica holds; round_robin; serve: Serve's default")
-    add("--pd-min-uncached-tokens", type=int, default=64,
+    add("--pd-min-uncached-tokens", type=int, default=c.pd_min_uncached_tokens,
         help="decode computes the prompt itself when it holds all but this many tokens "
              "(0: always a remote prefill)")
-    add("--overlap-score-weight", type=float, default=OVERLAP_SCORE_WEIGHT,
+    add("--overlap-score-weight", type=float, default=c.overlap_score_weight,
         help="--router kv: a prompt block still to prefill against a block of load")
-    for name in ("prefill_target_queued_tokens", "decode_target_running",
-                 "decode_target_kv_usage", "upscale_delay_s", "downscale_delay_s"):
-        add("--" + name.replace("_", "-"), type=type(getattr(d, name)), default=getattr(d, name))
+    for name in POLICY_FLAGS:
+        add("--" + name.replace("_", "-"), type=type(getattr(d, name)), default=getattr(d, name),
+            help="the autoscaling policy's (autoscale.FleetTargets, default %(default)s)")
     add("--startup-timeout", type=float, default=300.0)
     return ap
 
@@ -286,10 +289,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap = _parser()
     a = ap.parse_args(argv)
     try:
-        (p_lo, p_hi), (d_lo, d_hi) = parse_range(a.prefill), parse_range(a.decode)
-        targets = FleetTargets(p_lo, p_hi, d_lo, d_hi, a.prefill_target_queued_tokens,
-                               a.decode_target_running, a.decode_target_kv_usage,
-                               a.upscale_delay_s, a.downscale_delay_s)
+        targets = FleetTargets(*parse_range(a.prefill), *parse_range(a.decode),
+                               **{name: getattr(a, name) for name in POLICY_FLAGS})
     except ValueError as e:
         ap.error(str(e))
     config = FleetConfig(model=a.model, kv_connector=a.kv_connector, seed=a.seed,

@@ -208,8 +208,6 @@ class DisaggProxy:
                 return (await self.client.get(inst.url + "/health", timeout=5.0)).status_code == 200
             except httpx.HTTPError:
                 return False
-        if not self.prefill.instances or not self.decode.instances:
-            return _error("no prefill or no decode instance yet.", 503)
         insts = self.prefill.instances + self.decode.instances
         states = await asyncio.gather(*(ok(i) for i in insts))
         down = [i.url for i, s in zip(insts, states) if not s]
@@ -237,6 +235,8 @@ def stream_error(message: str) -> bytes:
 
 def build_app(proxy: DisaggProxy, api_keys: tuple[str, ...] = (),
               guarded: tuple[str, ...] = ("/v1", "/proxy")) -> FastAPI:
+    """The proxy's endpoints over ``proxy``: a ``DisaggProxy``, or anything with its ``handle``,
+    ``models``, ``health`` and ``records`` (the fleet's ingress, fleet_ingress.FleetIngress)."""
     app = FastAPI(title="minivllm P/D proxy")
     install_error_handlers(app)
     faults = dict(server_fault="never from the proxy itself; a decode instance's 5xx is retried "

@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from minivllm.disagg.autoscale import FleetTargets
+from minivllm.disagg.fleet_replicas import APP, NAMESPACE, ROLES
 from minivllm.disagg.kv_index import OVERLAP_SCORE_WEIGHT
 
-APP, NAMESPACE, ROLES = "minivllm-fleet", "minivllm-fleet", ("prefill", "decode")
 CONNECTORS = ("ZmqPullConnector", "RedisStoreConnector", "SharedStorageConnector")
 ROUTER_NAMES = ("kv", "round_robin", "serve")
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000

@@ -29,8 +29,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
-from minivllm.disagg.fleet_app import NAMESPACE, ROLES
-from minivllm.disagg.fleet_replicas import readable
+from minivllm.disagg.fleet_replicas import NAMESPACE, ROLES, readable
 from minivllm.disagg.kv_index import needs_remote_prefill
 from minivllm.disagg.proxy import (DisaggProxy, _error, build_app, prefill_body,
                                    stream_error)

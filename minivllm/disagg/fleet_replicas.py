@@ -21,8 +21,8 @@ import time
 from typing import Any, AsyncIterator, Optional
 
 from minivllm.disagg.autoscale import ROLE_METRICS
-from minivllm.disagg.fleet_app import APP, NAMESPACE, ROLES
 
+APP, NAMESPACE, ROLES = "minivllm-fleet", "minivllm-fleet", ("prefill", "decode")
 MARKER = ".minivllm-fleet-marker"     # SharedStorageConnector: the file every node must see
 MAX_TICKS = 5000          # the per-tick series: about 40 min at Serve's 0.5 s control loop
 MAX_LISTED = 1000         # decisions and replica events kept

@@ -119,7 +119,8 @@ def role_metrics(role: str, aggregated: dict[str, dict[Any, float]]) -> dict[str
     out = {}
     for name in ROLE_METRICS[role]:
         values = [float(v) for v in (aggregated.get(name) or {}).values()]
-        out[name] = (sum(values) / len(values) if name in AVERAGED else sum(values)) if values else 0.0
+        total = sum(values, 0.0)
+        out[name] = total / len(values) if values and name in AVERAGED else total
     return out
 
 
@@ -134,7 +135,8 @@ class FleetAutoscalingPolicy:
         self._actor_name, self._namespace, self._actor = state_actor, namespace, None
 
     def __call__(self, contexts: dict) -> tuple[dict, dict]:
-        by_role = {d.name: (d, ctx) for d, ctx in contexts.items() if d.name in ("prefill", "decode")}
+        by_role = {d.name: (d, ctx) for d, ctx in contexts.items()
+                   if d.name in ("prefill", "decode")}
         if len(by_role) < 2:      # the application is still being deployed
             return {}, {}
         metrics = {role: role_metrics(role, ctx.aggregated_metrics or {})

@@ -105,6 +105,7 @@ def start_fleet(config: FleetConfig, targets: FleetTargets = FleetTargets(),
     until it answers. ``host``/``port``: the ingress's (None: 127.0.0.1, 8000; port 0: a free
     one), or those of a Serve already running (fleet_app.http_options). ``config`` is never
     changed: ``Fleet.config`` is the one that runs."""
+    import ray
     check_config(config)
     fleet = Fleet("", _with_fleet_defaults(config), targets)
     if fleet.config.shared_storage_path != config.shared_storage_path:
@@ -116,6 +117,9 @@ def start_fleet(config: FleetConfig, targets: FleetTargets = FleetTargets(),
         fleet._started.append("ray")
     try:
         http = _serve_http(fleet, host, port)        # refused before anything else starts
+        # Place by role only where the cluster's nodes carry the roles' resources.
+        carried = set(ROLES) <= set(ray.cluster_resources())
+        fleet.config = dataclasses.replace(fleet.config, by_role=fleet.config.by_role and carried)
         _start_store_and_state(fleet)
         _deploy(fleet, http)
         _wait_until_serving(fleet, startup_timeout)
@@ -176,16 +180,13 @@ def _start_store_and_state(fleet: Fleet) -> None:
     from minivllm.disagg.launch import free_port
     from minivllm.distributed.kv_transfer.redis_store import redacted
     from minivllm.kvstore import RedisServer, unguarded_warning
-    c = fleet.config
-    # Place by role only where the cluster's nodes carry the roles' resources.
-    c = dataclasses.replace(c, by_role=c.by_role and set(ROLES) <= set(ray.cluster_resources()))
-    password = None
+    c, password = fleet.config, None
     if c.kv_connector == "RedisStoreConnector" and not c.kv_store_url:
         host = ray.util.get_node_ip_address() if c.node_ip else "127.0.0.1"
         password = secrets.token_urlsafe(24) if c.secure else None
         fleet._store = RedisServer(port=free_port(host), host=host, password=password).start()
         fleet.kv_store = {"url": fleet._store.url_without_password, "pid": fleet._store.pid,
-                          "password": c.secure}
+                          "password": password is not None}
         c = dataclasses.replace(c, kv_store_url=fleet.kv_store["url"])
         if msg := unguarded_warning(host, password, "pass --secure (a random password only the "
                                                     "fleet's replicas get)"):

@@ -44,7 +44,7 @@ class FleetConfig:
     seed: int = 0
     server_args: list = field(default_factory=list)    # extra ``minivllm serve`` flags
     replica_num_cpus: float = 1.0      # Ray's logical CPUs per engine replica = its torch threads
-    by_role: bool = True               # place replicas by the nodes' ``prefill``/``decode`` resource
+    by_role: bool = True               # place replicas by the nodes' prefill/decode resource
     node_ip: bool = True               # bind the node's address (False: 127.0.0.1, one machine)
     api_keys: list = field(default_factory=list)       # the clients' keys: never in ``args``
     secure: bool = False               # the fleet's own Redis store gets a random password
@@ -86,8 +86,10 @@ def check_config(config: FleetConfig) -> None:
              f"--kv-store-url is RedisStoreConnector's, not {c.kv_connector}'s."),
             (c.kv_store_url and not c.kv_store_url.startswith(URL_SCHEMES),
              f"--kv-store-url must start with one of {URL_SCHEMES}."),
-            (c.router not in ROUTER_NAMES, f"router must be one of {ROUTER_NAMES}, got {c.router!r}."),
-            (c.pd_min_uncached_tokens < 0, "pd_min_uncached_tokens must be >= 0 (0: always remote)."),
+            (c.router not in ROUTER_NAMES,
+             f"router must be one of {ROUTER_NAMES}, got {c.router!r}."),
+            (c.pd_min_uncached_tokens < 0,
+             "pd_min_uncached_tokens must be >= 0 (0: always remote)."),
             (c.overlap_score_weight < 0, "overlap_score_weight must be >= 0 (0: load alone).")):
         if bad:
             raise FleetConfigError(why)

@@ -126,7 +126,8 @@ def engine_load(async_llm: Any, last: dict) -> dict:
                                          for r in running)),
            "running_requests": float(async_llm.num_pending),
            "kv_cache_usage": float(sched.kv_cache_manager.usage)}
-    for key, hist in (("ttft_recent_s", async_llm.stats.ttft), ("itl_recent_s", async_llm.stats.itl)):
+    stats = async_llm.stats
+    for key, hist in (("ttft_recent_s", stats.ttft), ("itl_recent_s", stats.itl)):
         s, n = last.get(key, (0.0, 0))
         out[key] = (hist.sum - s) / (hist.count - n) if hist.count > n else 0.0
         last[key] = (hist.sum, hist.count)
@@ -149,7 +150,9 @@ def kv_transfer_config(role: str, config: dict, host: str, password: Any = None)
     if name == "ZmqPullConnector" and role == "prefill":
         extra.update(side_channel_host=host, side_channel_port=0)   # D pulls from this node
     elif name == "RedisStoreConnector":
-        extra.update(url=config["kv_store_url"], **({"password": password} if password else {}))
+        extra["url"] = config["kv_store_url"]
+        if password:
+            extra["password"] = password
     elif name == "SharedStorageConnector":
         path = extra["shared_storage_path"] = config["shared_storage_path"]
         if not os.path.exists(os.path.join(path, MARKER)):

@@ -71,7 +71,7 @@ class CPUAttentionGroup:
     tok: torch.Tensor               # [B * max_q] query row of each padded query (clamped)
     slots: torch.Tensor             # [B * max_s] cache slot of each padded key (clamped)
     mask: Optional[torch.Tensor]    # [B, 1, group * max_q, max_s] 0 / -inf, None: every key is seen
-    rows: Optional[torch.Tensor]    # [B * max_q] bool, the padded queries that are real; None: all
+    rows: Optional[torch.Tensor]    # [num real queries] which padded query rows are real; None: all
     out_tok: torch.Tensor           # [num real queries] where each real query's output goes
     B: int
     max_q: int
@@ -126,7 +126,8 @@ def build_plan(num_tokens: int, group: int, block_size: int, block_table: torch.
         if q_len > 1:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=seq_lens.device)
             mask = torch.arange(seq_len, device=seq_lens.device)[None, :] <= q_pos[:, None]
-            mask = mask.expand(group, q_len, seq_len).reshape(1, 1, group * q_len, seq_len)
+            mask = _additive(mask.expand(group, q_len, seq_len).reshape(1, 1, group * q_len,
+                                                                        seq_len), dtype)
         return (block_table[0, :-(-seq_len // block_size)], q_len, seq_len, mask)
     useful = int((q_lens * seq_lens).sum())
     num_seqs = seq_lens.shape[0]
@@ -141,6 +142,13 @@ def build_plan(num_tokens: int, group: int, block_size: int, block_table: torch.
         groups += [i.view(1) for i in (~short).nonzero().flatten()]
     return [_group(num_tokens, group, block_size, block_table[i], seq_lens[i], q_starts[i],
                    q_lens[i], dtype) for i in groups]
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: the key is seen) as SDPA's additive one, 0 or -inf in the queries'
+    dtype, made once per step: given a boolean mask, SDPA would convert it in every layer."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask,
+                                                                                 float("-inf"))
 
 
 def _split_by_length(idx: torch.Tensor, seq_lens: torch.Tensor, size: int) -> list[torch.Tensor]:
@@ -176,12 +184,11 @@ def _group(num_tokens: int, group: int, block_size: int, block_table: torch.Tens
     if all_real and max_q == 1 and bool((seq_lens == max_s).all()):
         mask = None                                              # decodes of equal length
     else:   # rows are (head in group, token) pairs, as the queries are laid out in _attend
-        mask = mask[:, None].expand(B, group, max_q, max_s).reshape(B, 1, group * max_q, max_s)
-        # As an additive mask (0 or -inf) in the queries' dtype: SDPA would convert a boolean
-        # one in every layer.
-        mask = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill_(~mask, float("-inf"))
-    return CPUAttentionGroup(tok.flatten(), slots, mask, None if all_real else q_valid.flatten(),
-                             tok[q_valid], B, max_q, max_s)
+        mask = _additive(mask[:, None].expand(B, group, max_q, max_s).reshape(
+            B, 1, group * max_q, max_s), dtype)
+    # The real rows as indices, found once here: a boolean index would run ``nonzero`` per layer.
+    rows = None if all_real else q_valid.flatten().nonzero().flatten()
+    return CPUAttentionGroup(tok.flatten(), slots, mask, rows, tok[q_valid], B, max_q, max_s)
 
 
 def _attend(query: torch.Tensor, kv_cache: torch.Tensor, g: CPUAttentionGroup, scale: float,
@@ -206,7 +213,8 @@ def _attend(query: torch.Tensor, kv_cache: torch.Tensor, g: CPUAttentionGroup, s
                                            attn_mask=g.mask, scale=scale)
     o = o.view(B, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     o = o.reshape(B * max_q, num_heads, head_dim)
-    out.index_copy_(0, g.out_tok, (o if g.rows is None else o[g.rows]).to(out.dtype))
+    o = o if g.rows is None else o.index_select(0, g.rows)
+    out.index_copy_(0, g.out_tok, o.to(out.dtype))
 
 
 def _attend_single(query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor,

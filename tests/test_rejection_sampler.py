@@ -152,6 +152,54 @@ def test_greedy_semantics(backend):
     assert parse_output(out, vocab) == [[1, 2], [8], [4, 5, 9], [6]]
 
 
+@pytest.mark.parametrize("vocab", [49152, 32000, 50257, 1024, 100])
+def test_row_argmax_is_torch_argmax_with_ties_nan_and_inf(vocab):
+    """The chunked argmax gives torch.argmax's ids: ties across and inside chunks (few distinct
+    values), NaN (argmax picks the first), +-inf, a row of -inf, a vocabulary 1024 does not divide
+    (32000: chunks of 256), ones it leaves to argmax (50257, 1024, 100) and a strided tensor."""
+    g = torch.Generator().manual_seed(vocab)
+    for rows in (1, 3, 24):
+        x = torch.randint(-2, 3, (rows, vocab), generator=g).float()
+        x[0, -1] = 9.0                                     # the row's maximum in the last entry
+        if rows > 1:
+            x[1, torch.randint(vocab, (3,), generator=g)] = float("nan")
+        if rows > 2:
+            x[2] = float("-inf")
+            x[-1, torch.randint(vocab, (2,), generator=g)] = float("inf")
+        assert torch.equal(A.row_argmax(x), x.argmax(dim=-1))
+        y = torch.randn(rows, vocab, generator=g)
+        assert torch.equal(A.row_argmax(y), y.argmax(dim=-1))
+        assert torch.equal(A.row_argmax(y.t().contiguous().t()), y.argmax(dim=-1))
+
+
+class _CountSoftmax(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += func in (torch.Tensor.softmax, torch.softmax)
+        return func(*args, **(kwargs or {}))
+
+
+def test_all_greedy_verify_skips_the_softmax_but_its_record_has_p_target():
+    """As vLLM 0.32's rejection_sample: no random row, no softmax of the target's logits. A
+    record still carries each draft's p_target, computed for it."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 50, generator=gen)
+    drafts = [[int(logits[0].argmax()), 7], [1, 2, 3]]
+    sm = SamplingMetadata.from_params([SamplingParams(temperature=0.0)] * 2)
+    sampler = RejectionSampler("torch")
+    with _CountSoftmax() as mode:
+        _run(sampler, drafts, None, logits, sm)
+    assert mode.calls == 0
+    sampler.record = True
+    _run(sampler, drafts, None, logits, sm)
+    probs = logits.softmax(dim=-1)
+    first = sampler.last_record[0][0]
+    assert first["accepted"] and first["p_target"] == pytest.approx(float(probs[0, drafts[0][0]]))
+
+
 def test_parse_output_drops_placeholders_and_out_of_vocab():
     out = torch.tensor([[1, -1, -1], [100, 2, -1], [3, 4, 5]], dtype=torch.int32)
     assert parse_output(out, 50) == [[1], [2], [3, 4, 5]]

@@ -129,8 +129,10 @@ class SuffixTree:
         for i, node in enumerate(ends):
             child = node.children.get(token)
             if child is None:
-                child = node.children[token] = Node(token=token, count=1)
+                child = node.children[token] = Node(token, 1)
                 node.ranked.append(child)
+            elif node.ranked[0] is child:       # first already (an only child, most often)
+                child.count += 1
             else:
                 _increment(node, child)
             ends[i] = child
@@ -170,7 +172,7 @@ class SuffixTree:
         the longer match on a tie. A match of ``m`` tokens drafts at most
         ``max_spec_factor * m`` tokens (and at most ``max_spec_tokens``)."""
         context = [int(t) for t in context]
-        best = SuffixDraft()
+        best, factor = SuffixDraft(), _f32(max_spec_factor)
         for match_len in range(1, len(context)):
             node = self.match(context[len(context) - match_len:])
             if node is None:
@@ -178,7 +180,7 @@ class SuffixTree:
             # arctic-inference's cap (suffix_tree.cc, speculate), float32 product and all: the
             # + 1e-6 is its slack against a product that rounds to just under a whole number,
             # which int() would truncate one token short; kept so the caps equal its own.
-            cap = int(_f32(match_len * _f32(max_spec_factor)) + 1e-6)
+            cap = int(_f32(match_len * factor) + 1e-6)
             draft = self.walk(node, max(0, min(max_spec_tokens, cap)), min_token_prob)
             if draft.score >= best.score:
                 best, best.match_len = draft, match_len
@@ -187,17 +189,20 @@ class SuffixTree:
     def walk(self, node: Node, max_tokens: int, min_token_prob: float) -> SuffixDraft:
         """From ``node``, follow the highest-count child while the running probability stays at
         or above ``min_token_prob``; at most ``max_tokens`` tokens."""
-        draft, prob, score, floor = SuffixDraft(), _f32(1.0), _f32(0.0), _f32(min_token_prob)
-        while len(draft.token_ids) < max_tokens and node.ranked and prob >= floor:
+        draft, prob, score, floor = SuffixDraft(), 1.0, 0.0, _f32(min_token_prob)
+        tokens, probs, counts = draft.token_ids, draft.probs, draft.counts
+        while len(tokens) < max_tokens and node.ranked and prob >= floor:
             child = node.ranked[0]
             if child.count != node.count:       # else a factor of exactly 1: nothing to round
-                prob = _f32(prob * _f32(_f32(child.count) / _f32(node.count)))
+                # Counts (below 2**24) are exact in float32: the quotient and the product are
+                # each rounded once, as in float32 arithmetic.
+                prob = _f32(prob * _f32(child.count / node.count))
                 if prob < floor:
                     break
             score = _f32(score + prob)
-            draft.token_ids.append(child.token)
-            draft.probs.append(prob)
-            draft.counts.append((child.count, node.count))
+            tokens.append(child.token)
+            probs.append(prob)
+            counts.append((child.count, node.count))
             node = child
         draft.score = score
         return draft

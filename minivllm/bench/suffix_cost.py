@@ -31,15 +31,11 @@ def _streams(tok, n: int) -> list[tuple[list[int], list[int]]]:
     return out
 
 
+@frozen_gc_heap()
 def tree_step_ms(streams, k: int, cached: int, steps: int) -> tuple[float, float]:
     """(mean ms of one step's proposer work for all requests, mean ms to start one request).
     The heap that exists before is frozen, as ``LLM.generate`` freezes it around the engine's
     steps: the collector's passes over the tokenizer's objects are not the trees' cost."""
-    with frozen_gc_heap():
-        return _tree_step_ms(streams, k, cached, steps)
-
-
-def _tree_step_ms(streams, k: int, cached: int, steps: int) -> tuple[float, float]:
     from minivllm.spec_decode.suffix_decoding import SuffixDecodingCache
     rng = random.Random(0)
     cache = SuffixDecodingCache(24, 10000)

@@ -78,11 +78,9 @@ def _neg_count(node: Node) -> int:
 
 
 def _increment(parent: Node, child: Node) -> None:
-    """``child.count += 1``, keeping ``parent.ranked`` in arctic-inference's order."""
+    """``child.count += 1``, keeping ``parent.ranked`` in arctic-inference's order. ``append``
+    bumps a child ranked first (an only child, most often) itself: that one stays first."""
     ranked, c = parent.ranked, child.count
-    if ranked[0] is child:                  # first already (an only child, most often): stays
-        child.count += 1
-        return
     head = bisect.bisect_left(ranked, -c, key=_neg_count)       # first child with count c
     i = ranked.index(child, head)
     # First of its run: to the front of the count c + 1 run. Otherwise: just before its old

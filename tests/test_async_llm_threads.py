@@ -120,8 +120,9 @@ def test_engine_loop_in_a_background_thread(tiny_llama_dir):
 
 
 def test_server_exits_with_1_when_its_port_is_taken(tiny_chat_dir, tmp_path):
-    """uvicorn runs in a second thread; when it cannot bind, the engine loop in the main thread
-    must stop too, or the process would live on with no server."""
+    """The server binds its port before it builds the engine (api_server.create_server_socket,
+    as vLLM's run_server does): a taken port ends the process with 1 at once, naming the port,
+    and no engine loop is left running with no server in front of it."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -135,4 +136,6 @@ def test_server_exits_with_1_when_its_port_is_taken(tiny_chat_dir, tmp_path):
             assert proc.wait(timeout=180) == 1
         finally:
             stop(proc)
-    assert "address already in use" in (tmp_path / "server.log").read_text().lower()
+    text = (tmp_path / "server.log").read_text()
+    assert "address already in use" in text.lower() and f"127.0.0.1:{port}" in text
+    assert "minivllm serving" not in text            # it stopped before loading the model

@@ -77,3 +77,34 @@ def test_fail_policy_server_answers_an_error(tiny_chat_dir, tmp_path):
         assert 'finished_reason="error"' in httpx.get(url + "/metrics").text
     finally:
         stop(proc)
+
+
+def test_one_launch_never_hands_out_a_port_twice(monkeypatch):
+    """The launcher picks every child's ports before the children bind them, so the OS may
+    offer one port twice (a prefill's side channel, then its HTTP port: the server then failed
+    to bind). ``free_port(host, taken)`` skips the ports already promised in this launch."""
+    from minivllm.disagg import launch
+    offered = iter([41001, 41001, 41002, 41001, 41003])
+
+    class Probe:                 # the OS's answers, in the order above
+        def __init__(self, *args):
+            self.port = None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(offered)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(launch.socket, "socket", Probe)
+    taken: set[int] = set()
+    assert [launch.free_port("127.0.0.1", taken) for _ in range(3)] == [41001, 41002, 41003]
+    assert taken == {41001, 41002, 41003}
+    monkeypatch.undo()
+    assert launch.free_port("127.0.0.1") > 0          # no set: the OS's answer as it is

@@ -46,10 +46,18 @@ DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 CONNECTORS = ("RedisStoreConnector", "SharedStorageConnector", "ExampleConnector", "ZmqPullConnector")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", taken: Optional[set[int]] = None) -> int:
+    """A port nothing is bound to now. The probe socket closes before a child binds the port, so
+    the OS may hand the same port out again: ``taken`` holds the ports this launch has already
+    promised to a child (a server's HTTP port, a prefill's side channel), and gets this one."""
+    while True:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if taken is None or port not in taken:
+            if taken is not None:
+                taken.add(port)
+            return port
 
 
 def redis_available() -> bool:
@@ -193,7 +201,9 @@ def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int]
         log_dir = tempfile.mkdtemp(prefix="minivllm-cluster-logs-")
     scheme = "https" if ssl else "http"
     tls_args = ["--ssl-keyfile", ssl[0], "--ssl-certfile", ssl[1]] if ssl else []
-    cluster = Cluster(f"{scheme}://{_netloc(proxy_host, port or free_port(proxy_host))}", [], [],
+    taken = {port} if port else set()       # no two children of this launch get the same port
+    proxy_port = port or free_port(proxy_host, taken)
+    cluster = Cluster(f"{scheme}://{_netloc(proxy_host, proxy_port)}", [], [],
                       kv_connector, "", log_dir, _owned_dirs=owned, api_key=api_key or None)
     try:
         guard = _secure_files(cluster, kv_connector, num_decode) if secure else {}
@@ -222,17 +232,16 @@ def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int]
                 host = prefill_host if role == "prefill" else decode_host
                 if kv_connector == "ZmqPullConnector" and role == "prefill":
                     kv["kv_connector_extra_config"].update(side_channel_host=host,
-                                                           side_channel_port=free_port(host))
+                                                           side_channel_port=free_port(host, taken))
                 if "curve" in guard:
                     kv["kv_connector_extra_config"].update(
                         guard["curve"]["prefill" if role == "prefill" else f"decode{i}"])
-                p = free_port(host)
+                p = free_port(host, taken)
                 urls.append(f"{scheme}://{_netloc(host, p)}")
                 _spawn(cluster, f"{role}{i}", [*common, "--host", host, "--port", str(p),
                                                "--kv-transfer-config", json.dumps(kv)], env)
-        proxy_port = cluster.proxy_url.rsplit(":", 1)[1]
         _spawn(cluster, "proxy", ["minivllm.disagg.proxy", "--host", proxy_host,
-                                  "--port", proxy_port, *tls_args,
+                                  "--port", str(proxy_port), *tls_args,
                                   *(["--backend-ca", ssl[2]] if ssl else []),
                                   "--prefill", *cluster.prefill_urls,
                                   "--decode", *cluster.decode_urls], env)

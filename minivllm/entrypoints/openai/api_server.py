@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 from typing import Optional
 
@@ -149,6 +150,21 @@ def build_async_llm(args: argparse.Namespace) -> AsyncLLM:
     return AsyncLLM(llm, max_pending_requests=args.max_pending_requests)
 
 
+def create_server_socket(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound before the engine is built, as vLLM's ``run_server`` binds it with
+    ``create_server_socket``: the port is held while the model loads, so nothing else takes it
+    meanwhile (not this engine's own KV side channel, not another process), and a taken port
+    fails at once, not after the load. uvicorn listens on it once the engine loop runs."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn's own bind
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """The engine loop runs in this (the main) thread and uvicorn in a second one: on the CPU a
     model stepped from a second thread runs its OpenMP regions slower (engine/async_llm.py's
@@ -166,6 +182,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.model_tag is not None:
         args.model = args.model_tag
     try:
+        sock = create_server_socket(args.host, args.port)
+    except OSError as e:
+        sys.exit(f"minivllm cannot serve on {args.host}:{args.port}: {e}")
+    try:
         async_llm = build_async_llm(args)
     except ValueError as e:   # a bad engine option: a usage error naming the field (exit 2)
         make_arg_parser().error(str(e))
@@ -182,8 +202,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     def serve_http() -> None:
         keep_off_openmp()   # no OpenMP team beside the engine's (minivllm/threads.py)
         try:
-            server.run()
-        finally:               # also when uvicorn could not start (say, the port is taken)
+            server.run(sockets=[sock])
+        finally:               # also when uvicorn could not start (say, a bad certificate)
             async_llm.shutdown()
 
     http = threading.Thread(target=serve_http, name="minivllm-http", daemon=True)
@@ -195,7 +215,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     scheme = "https" if args.ssl_certfile else "http"
-    print(f"minivllm serving {name} on {scheme}://{args.host}:{args.port} (pid {os.getpid()}, "
+    port = sock.getsockname()[1]                    # --port 0: the one the OS chose
+    host = f"[{args.host}]" if ":" in args.host else args.host     # an IPv6 address in a URL
+    print(f"minivllm serving {name} on {scheme}://{host}:{port} (pid {os.getpid()}, "
           f"API key {'required' if keys else 'not required'})", flush=True)
     async_llm.run_engine_loop(started=http.start)
     # The loop ends when uvicorn has stopped, or when a step raised: then the server stays up,

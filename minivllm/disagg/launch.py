@@ -116,11 +116,11 @@ def _spawn(cluster: Cluster, name: str, args: list[str], env: dict) -> subproces
 
 
 def _start_redis(cluster: Cluster, env: dict, timeout: float,
-                 password_file: Optional[str] = None) -> str:
+                 password_file: Optional[str] = None, port: Optional[int] = None) -> str:
     guard = (["--password-file", password_file, "--print-url-without-password"]
              if password_file else [])
-    p = subprocess.Popen([sys.executable, "-m", "minivllm.kvstore", "--port", str(free_port()),
-                          *guard],
+    p = subprocess.Popen([sys.executable, "-m", "minivllm.kvstore",
+                          "--port", str(port or free_port()), *guard],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
                          start_new_session=True)
     cluster.procs["kvstore"] = p
@@ -208,8 +208,9 @@ def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int]
     try:
         guard = _secure_files(cluster, kv_connector, num_decode) if secure else {}
         if kv_connector == "RedisStoreConnector":
+            # not the proxy's port, chosen above but bound only once the servers are up
             cluster.kv_store = _start_redis(cluster, env, startup_timeout,
-                                            guard.get("password_file"))
+                                            guard.get("password_file"), free_port(taken=taken))
             extra = {"url": cluster.kv_store}
             if "password_file" in guard:
                 extra["password_file"] = guard["password_file"]

@@ -8,15 +8,28 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 
 import pytest
 import torch
 
-from quick import QUICK, quick_name
+from quick import ALL, QUICK, quick_name
+
+
+# Tests that need the machine to themselves: ``tests/suite.py`` runs them after the others, alone.
+# Module -> the tests (ALL: the whole module), each with its reason. Also every test under
+# tests/conformance/: the real vLLM, one ~7 GB engine at a time with threads of its own, and a
+# per-session cache of its results that one process must hold whole.
+SERIAL: dict[str, "tuple[str, ...] | None"] = {
+    # a real multi-node Ray cluster: its raylets, GCS and Serve replicas want every core
+    "test_fleet.py": ALL,
+    "test_fleet_policy.py": ("test_the_fleet_starts_a_ray_of_its_own_and_never_changes_the_callers_config",),
+}
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "quick: the quick tier (tests/quick.py), pytest -q -m quick")
+    config.addinivalue_line("markers", "serial: runs alone, after the others (SERIAL, tests/suite.py)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -29,7 +42,10 @@ def pytest_collection_modifyitems(config, items):
         if entry is not None:
             item.add_marker(pytest.mark.quick)
             seen.add((module, entry or None))
-    if config.option.markexpr != "quick" or config.option.keyword:
+        if "conformance" in item.path.parts or (module in SERIAL and (SERIAL[module] is ALL or getattr(
+                item, "originalname", item.name) in SERIAL[module])):
+            item.add_marker(pytest.mark.serial)
+    if not re.search(r"\bquick\b", config.option.markexpr or "") or config.option.keyword:
         return
     collected_modules = {os.path.basename(str(it.path)) for it in items}
     missing = [f"{m}::{n}" for m, names in QUICK.items() if m in collected_modules

@@ -44,7 +44,7 @@ def test_readme_breakpoint_table_matches_the_registry():
     assert all(steps.REGISTRY[i].function == f for i, f in rows)
     # The first two commands stay as they were.
     assert BLOCKS[0][1].startswith("python -m venv .venv && . .venv/bin/activate && pip install torch")
-    assert BLOCKS[1][1].strip() == ".venv/bin/python -m pytest -q"
+    assert BLOCKS[1][1].strip() == ".venv/bin/python tests/suite.py"
 
 
 def test_readme_python_blocks_run(smollm2_dir):

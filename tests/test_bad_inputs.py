@@ -36,7 +36,7 @@ def test_block_size_must_be_a_power_of_two(tiny_llama_dir, no_weights_loaded, bl
     (dict(dtype="int8"), "dtype must be one of"),
     (dict(max_model_len=100000), "max_model_len=100000 exceeds"),
     (dict(speculative_config={"method": "mtp"}), "speculative_config.method must be one of"),
-    # the later methods' options, checked beside the article's configuration (speculative_options)
+    # the later methods' options, checked with the article's configuration (config/speculative.py)
     (dict(speculative_config={"method": "draft_model"}), "needs exactly one of 'model'"),
     (dict(speculative_config={"method": "eagle", "draft_num_layers": 1}),
      "draft_num_layers is for method 'draft_model' only"),

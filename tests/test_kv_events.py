@@ -11,9 +11,10 @@ import pytest
 
 pytest.importorskip("msgspec")
 
+from minivllm.config import KVEventsConfig  # noqa: E402
 from minivllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved,  # noqa: E402
-                                            BlockStored, KVEventBatch, KVEventsConfig,
-                                            KVEventSubscriber, ZmqEventPublisher)
+                                            BlockStored, KVEventBatch, KVEventSubscriber,
+                                            ZmqEventPublisher)
 from conftest import tiny_llm  # noqa: E402
 
 ENDPOINT = "tcp://127.0.0.1:0"

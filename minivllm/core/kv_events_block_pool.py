@@ -20,10 +20,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from minivllm.config import KVEventsConfig
 from minivllm.core.block_pool import BlockPool
 from minivllm.distributed.kv_events import (MEDIUM_GPU, AllBlocksCleared, BlockRemoved,
-                                            BlockStored, KVEventBatch, KVEventsConfig,
-                                            make_publisher)
+                                            BlockStored, KVEventBatch, make_publisher)
 
 if TYPE_CHECKING:
     from minivllm.core.kv_cache_utils import KVCacheBlock

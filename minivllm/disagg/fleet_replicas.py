@@ -175,7 +175,7 @@ class EngineReplica:
         from ray import serve
 
         from minivllm.core.kv_events_block_pool import with_kv_events
-        from minivllm.distributed.kv_events import KVEventsConfig
+        from minivllm.config import KVEventsConfig
         from minivllm.entrypoints.openai.api_server import (build_app, build_async_llm,
                                                             make_arg_parser)
         self.role, self.config, self._last = role, config, {}

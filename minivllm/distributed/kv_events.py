@@ -1,6 +1,7 @@
 """KV cache events: what an engine's prefix cache gained and lost, for a router to read; mirrors
-vllm/distributed/kv_events.py (the events, the batch, the ZMQ publisher with its replay socket) and
-vllm/config/kv_events.py (``KVEventsConfig``), under the same names and on the same wire.
+vllm/distributed/kv_events.py (the events, the batch, the ZMQ publisher with its replay socket),
+under the same names and on the same wire. Their configuration, ``KVEventsConfig``, is in
+config/kv_events.py.
 
 - ``BlockStored``: full blocks entered into the prefix cache, in order: their ``block_hashes`` (the
   very hashes the prefix cache keys them by, core/kv_cache_utils.py), the ``parent_block_hash`` of
@@ -23,46 +24,16 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from dataclasses import dataclass
 from itertools import count
 from typing import Any, Optional, Union
 
 import msgspec
 import zmq
 
+from minivllm.config import KVEventsConfig
+
 MEDIUM_GPU = "GPU"      # vLLM's name for the engine's own KV cache (the device's memory)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)     # the replay's last frame
-
-
-@dataclass
-class KVEventsConfig:
-    """vLLM 0.32's ``KVEventsConfig`` (vllm/config/kv_events.py): its fields and defaults."""
-    enable_kv_cache_events: bool = False
-    publisher: Optional[str] = None     # "null" | "zmq"; None: "zmq" when enabled
-    endpoint: str = "tcp://*:5557"      # PUB: bind (``*``, ipc://, inproc://) or connect
-    replay_endpoint: Optional[str] = None    # ROUTER for replays; None: no replay
-    buffer_steps: int = 10_000          # batches kept for a replay
-    hwm: int = 100_000                  # ZMQ high-water mark: beyond it, batches are dropped
-    max_queue_size: int = 100_000       # batches waiting for the publisher's thread
-    topic: str = ""
-
-    def __post_init__(self) -> None:
-        if self.publisher is None:
-            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
-        if self.publisher not in ("null", "zmq"):
-            raise ValueError(f"kv_events_config.publisher must be 'null' or 'zmq', "
-                             f"got {self.publisher!r}.")
-
-    @classmethod
-    def from_any(cls, config: Union[None, dict, "KVEventsConfig"]) -> Optional["KVEventsConfig"]:
-        if config is None or isinstance(config, cls):
-            return config
-        if not isinstance(config, dict):
-            raise TypeError(f"kv_events_config must be a dict or KVEventsConfig, got {config!r}.")
-        unknown = set(config) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown field(s) {sorted(unknown)}.")
-        return cls(**config)
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
-from minivllm.config import (LEARNED_DRAFTER_METHODS, CacheConfig, DeviceConfig,
+from minivllm.config import (LEARNED_DRAFTER_METHODS, CacheConfig, DeviceConfig, KVEventsConfig,
                              KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
                              VllmConfig)
 from minivllm.engine.llm_engine import LLMEngine, PromptType
@@ -61,7 +61,7 @@ def _arm_breakpoints(break_at: Optional[Sequence[str]]) -> None:
 class LLM:
     """Offline generation. The arguments are vLLM's (``speculative_config``, ``kv_transfer_config``,
     ``block_size``, ``max_num_seqs`` ...) unless noted. Each is checked by its config class
-    (config.py) before any weights are read. ``async_scheduling=True`` is vLLM 0.32's asynchronous
+    (config/) before any weights are read. ``async_scheduling=True`` is vLLM 0.32's asynchronous
     scheduling (core/sched/async_scheduler.py); outputs equal the default, the article's flow.
     """
     def __init__(
@@ -86,7 +86,7 @@ class LLM:
         async_scheduling: bool = False,
         logprobs_mode: str = "raw_logprobs",   # vLLM's; see minivllm/sample/ops/logprobs.py
         max_logprobs: int = 20,
-        kv_events_config: Optional[dict] = None,   # vLLM's KVEventsConfig (distributed/kv_events.py)
+        kv_events_config: Optional[dict] = None,   # vLLM's KVEventsConfig (config/kv_events.py)
     ) -> None:
         _arm_breakpoints(break_at)   # an unknown id: ValueError, before any work
         # 1. The arguments, each checked by its config class: nothing is loaded yet.
@@ -103,7 +103,7 @@ class LLM:
             from minivllm.distributed.kv_transfer.factory import validate_kv_transfer_config
             kv_transfer_config = validate_kv_transfer_config(kv_transfer_config)
         if kv_events_config is not None:   # vLLM's KV events: checked now, on once built
-            from minivllm.core.kv_events_block_pool import KVEventsConfig, with_kv_events
+            from minivllm.core.kv_events_block_pool import with_kv_events
             kv_events_config = KVEventsConfig.from_any(kv_events_config)
 
         # 2. The checkpoint (GGUF conversion happens once), checked against the configs.

@@ -19,7 +19,7 @@ from typing import Optional
 
 # The schedule's checks run when the configuration is made, so they sit below the drafters, beside
 # the configuration's other speculative checks; vLLM keeps them in this file.
-from minivllm.speculative_options import validate_and_normalize_dynamic_sd_schedule  # noqa: F401
+from minivllm.config.speculative import validate_and_normalize_dynamic_sd_schedule  # noqa: F401
 
 
 def build_dynamic_sd_schedule_lookup(schedule: object, max_batch_size: int,

@@ -1,4 +1,4 @@
-"""vllm/config -> minivllm/config.py. vLLM's configs take many more fields; a field minivllm has
+"""vllm/config -> minivllm/config/. vLLM's configs take many more fields; a field minivllm has
 no counterpart for is accepted at vLLM's default (or a value that changes nothing here) and
 raises ``NotInMinivllm`` otherwise, so that no test runs on a setting minivllm silently ignored."""
 from __future__ import annotations

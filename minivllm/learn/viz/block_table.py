@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from minivllm.trace import StepRecord
-from minivllm.viz.records import kv_cache_of, prefix_hits_of, schedule_of
-from minivllm.viz.text import brief_list, id_list_text, limit_lines, summarize_ids, wrap_cells
+from minivllm.learn.viz.records import kv_cache_of, prefix_hits_of, schedule_of
+from minivllm.learn.viz.text import brief_list, id_list_text, limit_lines, summarize_ids, wrap_cells
 
 NULL_BLOCK_ID = 0
 POOL_CELLS = 48            # a pool this small prints one cell per block
@@ -85,7 +85,7 @@ def render_block_table_text(step: StepRecord) -> str:
     One line per request reads ``  req <id>: [<block ids>]  computed=<n>``, exactly the recorded
     ``block_tables`` and ``num_computed_tokens`` (at most ``MAX_REQUESTS`` requests, the rest
     counted). A pool, free queue or cached-block list too long for a screen is summarised as its
-    length, head and tail (``minivllm/viz/text.py``), so the text stays under ~60 lines."""
+    length, head and tail (``minivllm/learn/viz/text.py``), so the text stays under ~60 lines."""
     sched, kv = schedule_of(step), kv_cache_of(step)
     owners = block_owners(kv)
     free_pos = {b: i for i, b in enumerate(kv["free_block_ids"])}

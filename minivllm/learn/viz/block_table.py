@@ -10,7 +10,7 @@ never handed out.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from minivllm.trace import StepRecord
 from minivllm.learn.viz.records import kv_cache_of, prefix_hits_of, schedule_of
@@ -226,15 +226,3 @@ def _drawn_blocks(num_blocks: int, notable: set[int], ncols: int) -> int:
     last = max(notable, default=0) + 1
     return min(num_blocks, FIGURE_POOL_MAX, max(4 * ncols, -(-last // ncols) * ncols))
 
-
-def preemption_steps(steps: list[StepRecord]) -> list[int]:
-    """Indices (into ``steps``) of the steps that preempted a request."""
-    return [i for i, s in enumerate(steps) if s.of("preempt")]
-
-
-def first_step_with(steps: list[StepRecord], kind: str) -> Optional[int]:
-    """Index of the first step that recorded an event of ``kind`` (e.g. "preempt", "prefix_hit")."""
-    for i, s in enumerate(steps):
-        if s.of(kind):
-            return i
-    return None

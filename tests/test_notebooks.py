@@ -1,6 +1,6 @@
 """Every lesson notebook is stored executed and CI keeps what it shows true. Each one runs top to
-bottom once (nbclient, kernel "python3", ``minivllm.notebooks.KERNEL_ENV``: one intra-op thread, the
-fast mode of the notebooks that still have one), and that one run
+bottom once (nbclient, kernel "python3", ``minivllm.learn.notebooks.KERNEL_ENV``: one intra-op
+thread, the fast mode of the notebooks that still have one), and that one run
 - is compared with the stored outputs by nbval's rule (every text output, after the patterns of
   notebooks/nbval_sanitize.cfg): a stale stored output fails, naming the cell;
 - must print EXPECTED's lines, and a cell that raises fails the test;

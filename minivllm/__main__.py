@@ -16,7 +16,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     from minivllm import LLM, SamplingParams
-    from minivllm.tour_notes import speculation_summary
+    from minivllm.metrics import speculation_summary
 
     prompts = [
         "Hello, my name is",

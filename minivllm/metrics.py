@@ -1,7 +1,8 @@
 """Metric objects returned by ``LLM.get_metrics()``, shaped like vLLM's (vllm/v1/metrics/reader.py):
 counters and gauges carry ``.value``; per-position vectors carry ``.values``. Names are vLLM's
 Prometheus names (``vllm:spec_decode_num_drafts`` ...) so code written against vLLM reads the same.
-Loaded when someone asks for them.
+``speculation_summary`` reads them back as the sentences a run prints: tokens per engine step and
+per verify (vLLM logs its own summary in ``vllm/v1/spec_decode/metrics.py``, SpecDecodingLogging).
 """
 from __future__ import annotations
 
@@ -59,3 +60,20 @@ def get_metrics_snapshot(llm: Any) -> list[Metric]:
             for name, value in connector.get_stats().items():
                 metrics.append(Counter(f"minivllm:kv_connector_{role}_{name}", value))
     return metrics
+
+
+def speculation_summary(llm: Any, outputs: list[Any]) -> list[str]:
+    """The numbers speculation changes, from the engine's counters: output tokens per engine step
+    (one target forward over the batch), and tokens per verify (``vllm:spec_decode_*``)."""
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    n = sum(len(o.outputs[0].token_ids) for o in outputs)
+    steps = llm.llm_engine.engine_core.step_index
+    lines = [f"{n} output tokens in {steps} engine steps (one target forward each, over the batch)"]
+    verifies = metrics.get("vllm:spec_decode_num_drafts")
+    if verifies:
+        accepted = metrics["vllm:spec_decode_num_accepted_tokens"]
+        lines.append(f"{verifies} verify steps: {accepted} of "
+                     f"{metrics['vllm:spec_decode_num_draft_tokens']} drafts accepted, so a verify "
+                     f"emitted 1 + {accepted}/{verifies} = {1 + accepted / verifies:.2f} tokens of its "
+                     "request for one forward (plain decoding: 1)")
+    return lines

@@ -20,8 +20,8 @@ again, build another ``LLM`` (or call ``steps.configure([...])`` again).
 Ask with ``MINIVLLM_BREAK=spec.4,pd.lookup`` (or ``all``, or a group ``spec`` / ``pd``) or
 ``LLM(..., break_at=["spec.4"])``. ``python -m minivllm.tour spec|pd`` walks them in order. At exit,
 every requested id that never stopped is named, with the reason where it can be known.
-The ids and what each shows are in ``step_table.py``, read only once someone asks for a step
-(``steps.REGISTRY``, ``steps.STEPS``, ``steps.GROUPS`` and ``steps.Step`` load it).
+The ids, what each shows and why (its note) are in ``step_table.py``; ``steps.REGISTRY``,
+``steps.STEPS``, ``steps.GROUPS`` and ``steps.Step`` are its names, read on first use.
 """
 from __future__ import annotations
 
@@ -227,12 +227,12 @@ def at_step(step_id: str, when: Any = True) -> bool:
 
 def banner(step: Any, frame: Any) -> list[str]:
     """What a stop prints: the id, the article's sentence, ``file:line`` and function; the locals
-    to look at (the step's ``show``); and the tour's "why" lines for it (tour_notes.py), with no
-    tokenizer, so ids stay ids. A note that fails is left out: the stop must never break the run."""
+    to look at (the step's ``show``); and the "why" lines of its note (``step_table.NOTES``), with
+    no tokenizer, so ids stay ids. A note that fails is left out: the stop must never break the run."""
     lines = [f"minivllm step {step.id}: {step.article} "
              f"[{frame.f_code.co_filename}:{frame.f_lineno} {step.function}]",
              f"  look at: {step.show}"]
-    from minivllm.tour_notes import NOTES
+    from minivllm.step_table import NOTES
     if step.id in NOTES:
         try:
             lines += ["  why: " + x for x in NOTES[step.id](frame, _NoTour())]

@@ -121,7 +121,7 @@ class JupyterLab:
         for var, sub in dirs.items():
             env[var] = os.path.join(self.workdir, sub)
             os.makedirs(env[var], exist_ok=True)
-        from minivllm.notebooks import KERNEL_ENV      # as the stored outputs were computed
+        from minivllm.learn.notebooks import KERNEL_ENV      # as the stored outputs were computed
         env.update(KERNEL_ENV, PYTHONUNBUFFERED="1",
                    PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
         env.update(self.extra_env)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm import exercises
-from minivllm.exercises import ExerciseCheckError
+from minivllm.learn import exercises
+from minivllm.learn.exercises import ExerciseCheckError
 
 
 def naive_residual(p_target, p_draft):
@@ -143,7 +143,7 @@ def test_the_suffix_walk_check_names_the_case_and_hints_at_the_common_mistakes(c
 def test_the_suffix_check_keeps_its_answers_as_data():
     """No importable solution: the expected walks are the check's case table (and the engine's
     SuffixTree.walk for the random trees), and every case says what it tests."""
-    from minivllm.exercises import suffix
+    from minivllm.learn.exercises import suffix
     assert not [n for n in dir(suffix) if n.startswith("reference")]
     labels = [case[0] for case in suffix.HAND_CASES]
     assert len(set(labels)) == len(labels)

@@ -14,7 +14,7 @@ nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("jupyter_client")
 pytest.importorskip("ipykernel")
 
-from minivllm.exercises.__main__ import main  # noqa: E402
+from minivllm.learn.exercises.__main__ import main  # noqa: E402
 
 NB_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
 SPEC = ["residual_distribution", "propose_last_match", "num_blocks_to_allocate",

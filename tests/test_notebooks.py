@@ -1,6 +1,6 @@
 """Every lesson notebook is stored executed and CI keeps what it shows true. Each one runs top to
-bottom once (nbclient, kernel "python3", ``minivllm.notebooks.KERNEL_ENV``: one intra-op thread, the
-fast mode of the notebooks that still have one), and that one run
+bottom once (nbclient, kernel "python3", ``minivllm.learn.notebooks.KERNEL_ENV``: one intra-op
+thread, the fast mode of the notebooks that still have one), and that one run
 - is compared with the stored outputs by nbval's rule (every text output, after the patterns of
   notebooks/nbval_sanitize.cfg): a stale stored output fails, naming the cell;
 - must print EXPECTED's lines, and a cell that raises fails the test;
@@ -26,7 +26,7 @@ nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 pytest.importorskip("nbval")
 
-from minivllm import notebooks as stored  # noqa: E402
+from minivllm.learn import notebooks as stored  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NB_DIR = os.path.join(REPO, "notebooks")
@@ -358,7 +358,7 @@ NUMBER_WORDS = {2: "two", 5: "five", 7: "seven"}
 def test_one_count_of_exercises_everywhere():
     """The exercise notebooks' tagged cells, the grader's checks, notebook 04's and 07's first
     cells and the README all give the same numbers."""
-    from minivllm.exercises import CHECKS
+    from minivllm.learn.exercises import CHECKS
     counts = {name: sum("exercise" in c.metadata.get("tags", []) for c in read(name).cells)
               for name in stored.EXERCISE_NOTEBOOKS}
     total = sum(counts.values())

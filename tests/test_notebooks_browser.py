@@ -67,7 +67,7 @@ def _stale(view, name: str) -> list[str]:
     """Stored outputs that differ from the page's run (the rule test_notebooks.py applies to the
     notebooks it runs; this run is the one CI makes of these)."""
     import copy
-    from minivllm import notebooks as stored
+    from minivllm.learn import notebooks as stored
     kept = read(name)
     fresh = copy.deepcopy(kept)
     for cell, seen in zip(fresh.cells, view.cells):

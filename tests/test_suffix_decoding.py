@@ -190,13 +190,13 @@ def test_the_last_match_is_kept_for_the_tour(tiny_gqa_dir):
 def test_the_spec2_stop_shows_the_suffix_match(tiny_gqa_dir):
     """The tour's spec.2 ``show`` expression, evaluated as the stop does in the runner's frame."""
     from minivllm.step_table import STEPS
-    from minivllm.tour import _short
+    from minivllm.learn.tour import short
     show = next(s for s in STEPS if s.id == "spec.2").show
     llm = tiny_llm(tiny_gqa_dir, spec=dict(method="suffix", num_speculative_tokens=4))
     generate_tokens(llm, [[9, 8, 7, 6] * 6], SamplingParams(temperature=0.0, max_tokens=3,
                                                              ignore_eos=True))
     frame = {"self": runner_of(llm), "k": 4, "limits": {}, "drafts": {}}
-    printed = _short(eval(show, {}, frame)[3])
+    printed = short(eval(show, {}, frame)[3])
     assert "matched_suffix=[" in printed and "path=[(" in printed and "scores=[" in printed
 
 

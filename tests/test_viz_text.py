@@ -13,10 +13,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from minivllm.trace import StepRecord  # noqa: E402
-from minivllm.viz import (block_table_figure, find_penalty_verify, parse_block_table_text,  # noqa: E402
-                          penalty_verify_figure, render_block_table_text,
-                          render_penalty_verify_text)
-from minivllm.viz.text import id_list_text, limit_lines, summarize_ids  # noqa: E402
+from minivllm.learn.viz import (block_table_figure, find_penalty_verify, parse_block_table_text,  # noqa: E402
+                                penalty_verify_figure, render_block_table_text,
+                                render_penalty_verify_text)
+from minivllm.learn.viz.text import id_list_text, limit_lines, summarize_ids  # noqa: E402
 
 
 def big_pool_step(num_blocks=2818, num_requests=3, blocks_each=1) -> StepRecord:

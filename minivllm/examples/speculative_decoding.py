@@ -32,7 +32,7 @@ def main():
         print(f"Prompt: {output.prompt!r}, Generated text: {output.outputs[0].text!r}")
     # minivllm: what speculation changed, from the engine's counters (target forwards, tokens per
     # verify); these prompts rarely repeat themselves, so the n-gram drafter finds few drafts.
-    from minivllm.tour_notes import speculation_summary
+    from minivllm.metrics import speculation_summary
     print("\n".join(speculation_summary(llm, outputs)))
 
 if __name__ == "__main__":

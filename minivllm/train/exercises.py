@@ -6,16 +6,16 @@ fed token p + 1 (with the target's hidden state at p): shift the flat ids left b
 each request's ``next_token_ids`` entry (the token just sampled) in its last row. Example:
 requests a (1 token), b (2), c (3): ``[a1, b1, b2, c1, c2, c3]`` -> ``[a2, b2, b3, c2, c3, c4]``.
 
-``check_eagle_first_pass_inputs(student_fn)`` follows ``minivllm/exercises.py``: hand-made cases,
-then random ones against ``reference_eagle_first_pass_inputs``; a clear ``ExerciseCheckError``
-naming the case otherwise.
+``check_eagle_first_pass_inputs(student_fn)`` follows ``minivllm/learn/exercises/spec.py``:
+hand-made cases, then random ones against ``reference_eagle_first_pass_inputs``; a clear
+``ExerciseCheckError`` naming the case otherwise.
 """
 from __future__ import annotations
 
 import random
 from typing import Callable
 
-from minivllm.exercises.spec import ExerciseCheckError, _call, _fail, _passed  # noqa: F401
+from minivllm.learn.exercises.spec import ExerciseCheckError, _call, _fail, _passed  # noqa: F401
 
 
 def reference_eagle_first_pass_inputs(input_ids: list[int], cu_num_tokens: list[int],

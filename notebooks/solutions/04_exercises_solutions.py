@@ -52,7 +52,7 @@ def spec_decode_logits_indices(num_scheduled_tokens, num_draft_tokens):
 
 
 if __name__ == "__main__":
-    from minivllm import exercises
+    from minivllm.learn import exercises
     exercises.check_residual_distribution(residual_distribution)
     exercises.check_propose_last_match(propose_last_match)
     exercises.check_num_blocks_to_allocate(num_blocks_to_allocate)

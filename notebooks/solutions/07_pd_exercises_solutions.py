@@ -3,7 +3,7 @@
 Each definition has the exercise's exact signature; ``python notebooks/solutions/07_pd_exercises_solutions.py``
 runs every check, and the tests paste these into the notebook's exercise cells and grade it.
 """
-from minivllm import exercises
+from minivllm.learn import exercises
 
 
 def decode_load_plan(block_size, num_prompt_tokens, num_local_hit_tokens):

@@ -74,7 +74,7 @@ def minivllm_run(llm, prompts, k: int) -> tuple[dict, list[dict]]:
     """One ``generate`` of all prompts on a fresh engine: the batch's counters (``get_metrics``)
     and each request's, counted from the engine's step records (the tracer's verify events)."""
     from minivllm import SamplingParams
-    from minivllm.viz.records import acceptance_from_tracer
+    from minivllm.learn.viz.records import acceptance_from_tracer
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     llm.llm_engine.tracer.enabled = True
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -10,11 +10,11 @@ never handed out.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from minivllm.trace import StepRecord
-from minivllm.viz.records import kv_cache_of, prefix_hits_of, schedule_of
-from minivllm.viz.text import brief_list, id_list_text, limit_lines, summarize_ids, wrap_cells
+from minivllm.learn.viz.records import kv_cache_of, prefix_hits_of, schedule_of
+from minivllm.learn.viz.text import brief_list, id_list_text, limit_lines, summarize_ids, wrap_cells
 
 NULL_BLOCK_ID = 0
 POOL_CELLS = 48            # a pool this small prints one cell per block
@@ -85,7 +85,7 @@ def render_block_table_text(step: StepRecord) -> str:
     One line per request reads ``  req <id>: [<block ids>]  computed=<n>``, exactly the recorded
     ``block_tables`` and ``num_computed_tokens`` (at most ``MAX_REQUESTS`` requests, the rest
     counted). A pool, free queue or cached-block list too long for a screen is summarised as its
-    length, head and tail (``minivllm/viz/text.py``), so the text stays under ~60 lines."""
+    length, head and tail (``minivllm/learn/viz/text.py``), so the text stays under ~60 lines."""
     sched, kv = schedule_of(step), kv_cache_of(step)
     owners = block_owners(kv)
     free_pos = {b: i for i, b in enumerate(kv["free_block_ids"])}
@@ -226,15 +226,3 @@ def _drawn_blocks(num_blocks: int, notable: set[int], ncols: int) -> int:
     last = max(notable, default=0) + 1
     return min(num_blocks, FIGURE_POOL_MAX, max(4 * ncols, -(-last // ncols) * ncols))
 
-
-def preemption_steps(steps: list[StepRecord]) -> list[int]:
-    """Indices (into ``steps``) of the steps that preempted a request."""
-    return [i for i, s in enumerate(steps) if s.of("preempt")]
-
-
-def first_step_with(steps: list[StepRecord], kind: str) -> Optional[int]:
-    """Index of the first step that recorded an event of ``kind`` (e.g. "preempt", "prefix_hit")."""
-    for i, s in enumerate(steps):
-        if s.of(kind):
-            return i
-    return None

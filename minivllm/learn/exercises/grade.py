@@ -150,7 +150,7 @@ class Kernel:
 def grade_notebook(path: str, timeout: float = 60.0, max_output: int = 100_000,
                    only: Optional[list[str]] = None) -> dict[str, Result]:
     import nbformat
-    from minivllm.exercises import CHECKS
+    from minivllm.learn.exercises import CHECKS
     try:
         nb = nbformat.read(path, as_version=4)
     except Exception as e:          # not a notebook at all: every exercise of it is unknown
@@ -188,7 +188,7 @@ def grade_notebook(path: str, timeout: float = 60.0, max_output: int = 100_000,
                 results[name] = Result(False, f"no check for an exercise named {name} "
                                               f"(known: {', '.join(CHECKS)})")
                 continue
-            code = f"from minivllm.exercises import CHECKS as _checks\n_checks[{name!r}]({name})"
+            code = f"from minivllm.learn.exercises import CHECKS as _checks\n_checks[{name!r}]({name})"
             status, text = kernel.run(code, timeout)
             if status == "ok":
                 results[name] = Result(True)
@@ -209,7 +209,7 @@ def _replay(kernel: Kernel, sources: list[str], timeout: float) -> None:
 
 def table(grades: dict[str, dict[str, Result]]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the notebook x exercise table (full details in the cells)."""
-    from minivllm.exercises import CHECKS
+    from minivllm.learn.exercises import CHECKS
     seen = {n for r in grades.values() for n in r}
     columns = [n for n in CHECKS if n in seen] + sorted(seen - set(CHECKS))
     rows = []

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from minivllm.distributed.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata
-from minivllm.exercises.spec import ExerciseCheckError, _call, _fail, _passed
+from minivllm.learn.exercises.spec import ExerciseCheckError, _call, _fail, _passed
 
 STORE: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
 

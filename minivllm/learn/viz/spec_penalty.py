@@ -13,8 +13,8 @@ import math
 from typing import Any, Optional
 
 from minivllm.trace import StepRecord
-from minivllm.viz.records import StepsLike, spec_verify_of, steps_of
-from minivllm.viz.spec import token_text
+from minivllm.learn.viz.records import StepsLike, spec_verify_of, steps_of
+from minivllm.learn.viz.spec import token_text
 
 
 def tested_drafts(positions: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any, Optional
 
-from minivllm.viz.records import StepsLike, connector_calls
+from minivllm.learn.viz.records import StepsLike, connector_calls
 
 # The article's order: cache lookup, state update, metadata, then the forward's context manager.
 METHOD_ORDER = ["get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from typing import Any, Callable
 
-from minivllm.exercises.spec import _call, _fail, _fmt, _passed
+from minivllm.learn.exercises.spec import _call, _fail, _fmt, _passed
 from minivllm.spec_decode.suffix_tree import SuffixTree
 
 

@@ -25,8 +25,8 @@ import torch
 
 from minivllm import trace
 from minivllm.trace import StepRecord
-from minivllm.viz.records import spec_verify_of
-from minivllm.viz.spec import token_text
+from minivllm.learn.viz.records import spec_verify_of
+from minivllm.learn.viz.spec import token_text
 
 
 class VerifyProbe:

@@ -1,4 +1,5 @@
-"""Regenerate the README's figures from real runs: ``python -m minivllm.viz.figures [--out DIR] [--fast]``.
+"""Regenerate the README's figures from real runs:
+``python -m minivllm.learn.viz.figures [--out DIR] [--fast]``.
 
 Every picture is drawn from the step records of a run made here, on the default model
 (SmolLM2-135M-Instruct) unless ``--model`` says otherwise; small settings keep the whole script
@@ -20,11 +21,11 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from minivllm.viz.block_table import block_table_figure
-from minivllm.viz.pd import connector_timeline, pd_flow_figure
-from minivllm.viz.plots import acceptance_per_position_plot
-from minivllm.viz.records import output_tokens_before, steps_of
-from minivllm.viz.spec import find_spec_verify, spec_step_figure
+from minivllm.learn.viz.block_table import block_table_figure
+from minivllm.learn.viz.pd import connector_timeline, pd_flow_figure
+from minivllm.learn.viz.plots import acceptance_per_position_plot
+from minivllm.learn.viz.records import output_tokens_before, steps_of
+from minivllm.learn.viz.spec import find_spec_verify, spec_step_figure
 
 FIGURES = ("block_table.png", "spec_decode_step.png", "acceptance_per_position.png",
            "pd_flow.png", "pd_timeline.png")

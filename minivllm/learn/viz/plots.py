@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Union
 
-from minivllm.viz.block_table import request_color
-from minivllm.viz.records import (StepsLike, acceptance_counts, kv_cache_of, request_states,
+from minivllm.learn.viz.block_table import request_color
+from minivllm.learn.viz.records import (StepsLike, acceptance_counts, kv_cache_of, request_states,
                                   schedule_of, steps_of)
 
 STATE_COLORS = {"waiting": "#d9d9d9", "prefill": "#f28e2b", "decode": "#4e79a7",

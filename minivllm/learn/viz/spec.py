@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from minivllm.trace import StepRecord
-from minivllm.viz.records import StepsLike, schedule_of, spec_verify_of, steps_of
+from minivllm.learn.viz.records import StepsLike, schedule_of, spec_verify_of, steps_of
 
 KIND_COLORS = {"context": "#f5f5f5", "accepted": "#59a14f", "rejected": "#e15759", "recovered": "#f28e2b",
                "bonus": "#4e79a7", "untested": "#e0e0e0"}

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from minivllm.trace import StepRecord
-from minivllm.viz.records import StepsLike, steps_of
+from minivllm.learn.viz.records import StepsLike, steps_of
 
 
 class StepSlider:

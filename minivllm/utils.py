@@ -13,6 +13,15 @@ def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
 
+def resolve_auto_dtype(dtype: str, device: Any) -> str:
+    """``dtype="auto"`` -> ``"bfloat16"`` on CUDA (as vLLM serves Llama models), ``"float32"``
+    elsewhere, where bfloat16 matmuls are slow on most processors; any other name as it is. The
+    one rule for the model's weights and for the KV layout its connectors expect."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
+
+
 @contextmanager
 def frozen_gc_heap() -> Iterator[None]:
     """The cyclic garbage collector skips every object that exists on entry, until exit: vLLM's

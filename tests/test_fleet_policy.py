@@ -125,7 +125,7 @@ def test_config_checks():
 def test_store_url_warning_and_view_never_show_a_password():
     from minivllm.disagg.fleet_replicas import kv_transfer_config
     from minivllm.distributed.kv_transfer.redis_store import redacted
-    from minivllm.kvstore import store_url, unguarded_warning
+    from minivllm.distributed.kv_transfer.redis_server import store_url, unguarded_warning
     assert store_url("10.0.0.1", 6379) == "redis://10.0.0.1:6379/0"
     assert store_url("fd00::1", 6379) == "redis://[fd00::1]:6379/0"
     with pytest.raises(ValueError, match="TCP port"):

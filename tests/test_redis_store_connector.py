@@ -16,7 +16,7 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.config import KVTransferConfig
 from minivllm.distributed.kv_transfer import redis_store
-from minivllm.kvstore import RedisServer
+from minivllm.distributed.kv_transfer.redis_server import RedisServer
 from minivllm.request import RequestStatus
 
 BS, CHUNK = 8, 16
@@ -176,12 +176,26 @@ def test_kvstore_cli_prints_url_and_stops_on_sigterm():
             proc.wait(timeout=10)
 
 
+def test_kvstore_keeps_its_name_and_loads_no_torch():
+    """``minivllm.kvstore`` re-exports the server's module (the command and the imports keep
+    working), and the command's process never loads torch: it only watches a redis-server."""
+    import minivllm.kvstore as kvstore
+    from minivllm.distributed.kv_transfer import redis_server
+    for name in kvstore.__all__:
+        assert getattr(kvstore, name) is getattr(redis_server, name)
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", "import sys, minivllm.kvstore; "
+                          "print('torch' in sys.modules)"], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
 def test_owned_server_without_url(model, reference):
     """No "url": the process starts its own server, shared by P and D in this process."""
     kv = lambda role: KVTransferConfig("RedisStoreConnector", role, {"chunk_size": CHUNK})  # noqa: E731
     p = llm(model, kv("kv_producer"))
     p.generate(prompts(), PREFILL, use_tqdm=False)
-    from minivllm.kvstore import owned_server
+    from minivllm.distributed.kv_transfer.redis_server import owned_server
     assert p.llm_engine.scheduler.connector.url == owned_server().url
     d = llm(model, kv("kv_consumer"), enable_prefix_caching=False)
     got = d.generate(prompts(), GREEDY, use_tqdm=False)

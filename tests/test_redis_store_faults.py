@@ -12,7 +12,7 @@ import torch
 
 from minivllm import LLM
 from minivllm.distributed.kv_transfer import redis_store
-from minivllm.kvstore import RedisServer
+from minivllm.distributed.kv_transfer.redis_server import RedisServer
 from test_redis_store_connector import GREEDY, PREFILL, ktc, llm, prompts, tokens, worker_stats
 
 

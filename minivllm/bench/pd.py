@@ -211,7 +211,7 @@ def main(argv=None) -> list[dict]:
     storage = args.storage or tempfile.mkdtemp(prefix="minivllm-pd-")
     server, url = None, args.redis_url
     if url is None and not args.no_redis:
-        from minivllm.kvstore import RedisServer
+        from minivllm.distributed.kv_transfer.redis_server import RedisServer
         server = RedisServer().start()
         url = server.url
     try:

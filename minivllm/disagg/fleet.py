@@ -179,7 +179,7 @@ def _start_store_and_state(fleet: Fleet) -> None:
     from minivllm.disagg.fleet_replicas import FleetState
     from minivllm.disagg.launch import free_port
     from minivllm.distributed.kv_transfer.redis_store import redacted
-    from minivllm.kvstore import RedisServer, unguarded_warning
+    from minivllm.distributed.kv_transfer.redis_server import RedisServer, unguarded_warning
     c, password = fleet.config, None
     if c.kv_connector == "RedisStoreConnector" and not c.kv_store_url:
         host = ray.util.get_node_ip_address() if c.node_ip else "127.0.0.1"

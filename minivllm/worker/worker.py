@@ -17,7 +17,7 @@ import torch
 
 from minivllm.config import VllmConfig
 from minivllm.core.sched.output import SchedulerOutput
-from minivllm.utils import cdiv, resolve_obj_by_qualname
+from minivllm.utils import cdiv, resolve_auto_dtype, resolve_obj_by_qualname
 from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,11 +36,9 @@ def init_worker_distributed_environment(vllm_config: VllmConfig) -> Any:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``dtype="auto"``: bfloat16 on CUDA (as vLLM serves Llama models), float32 on the CPU, where
-    bfloat16 matmuls are slow on most processors."""
-    if dtype == "auto":
-        dtype = "bfloat16" if device.type == "cuda" else "float32"
-    return _DTYPES[dtype]
+    """The model's ``torch.dtype``; ``"auto"`` as ``utils.resolve_auto_dtype`` says (bfloat16 on
+    CUDA, float32 elsewhere)."""
+    return _DTYPES[resolve_auto_dtype(dtype, device)]
 
 
 def _defers_finalize(c: VllmConfig) -> bool:

@@ -21,11 +21,11 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import torch
-
 from minivllm import trace
 
 if TYPE_CHECKING:
+    import torch
+
     from minivllm.config import KVTransferConfig, VllmConfig
     from minivllm.forward_context import ForwardContext
     from minivllm.request import Request

@@ -1,5 +1,5 @@
 """The KV layout of ``RedisStoreConnector`` in Redis: content-addressed chunks, as LMCache and
-MooncakeStore key them (background: ``shared/reference/pd_service.md`` section 3).
+MooncakeStore key them.
 
 A prompt prefix of ``n`` tokens (``n`` a multiple of the block size, below the last prompt token)
 is cut into chunks of ``chunk_size`` tokens (the last one may be shorter, still whole blocks). Chunk

@@ -15,7 +15,7 @@ Key layout, checks and the client: ``redis_store.py``. Scheduler side here, work
   Running requests keep decoding meanwhile.
 
 ``kv_connector_extra_config``: ``url`` (``redis://HOST:PORT/DB`` or ``unix:///PATH``; absent: this
-process starts and owns a server, ``minivllm.kvstore.owned_server``), ``load_async`` (True),
+process starts and owns a server, ``redis_server.owned_server``), ``load_async`` (True),
 ``chunk_size`` (256 tokens, rounded down to a multiple of the block size), ``timeout_s`` (5.0, every
 Redis call), ``on_unavailable`` (``"error"``: an unreachable server at start is an error;
 ``"recompute"``: a warning, then plain recompute), ``password`` / ``password_file`` (for a URL
@@ -36,6 +36,7 @@ from minivllm.distributed.kv_transfer import redis_store, storage
 from minivllm.distributed.kv_transfer.base import (KVConnectorBase_V1, KVConnectorRole,
                                                    checked_extra_config)
 from minivllm.distributed.kv_transfer.redis_store import Chunk, connect, redacted, redis_errors
+from minivllm.distributed.kv_transfer.redis_server import owned_server, read_password_file
 from minivllm.distributed.kv_transfer.redis_store_metadata import (RedisReqMeta,
                                                                    RedisStoreConnectorMetadata)
 from minivllm.distributed.kv_transfer.redis_store_worker import RedisStoreWorkerMixin
@@ -56,7 +57,6 @@ def _password(extra: dict) -> Optional[str]:
     if extra.get("password"):
         return extra["password"]
     if extra.get("password_file"):
-        from minivllm.kvstore import read_password_file
         return read_password_file(extra["password_file"])
     return None
 
@@ -75,7 +75,6 @@ class RedisStoreConnector(RedisStoreWorkerMixin, KVConnectorBase_V1):
         self._is_producer, self._is_consumer = ktc.is_kv_producer, ktc.is_kv_consumer
         url = ktc.get_from_extra_config("url", None)
         if url is None:
-            from minivllm.kvstore import owned_server
             url = owned_server().url
         self.url = url
         self._client = connect(url, self._timeout_s,

@@ -9,13 +9,13 @@ names for one class: ``kv_connector="SharedStorageConnector"`` (the article's) a
 Prefill (P) stores each prompt's KV, decode (D) loads it, synchronously, whole blocks only; the
 last prompt token is always recomputed (its logits give the first output token). The scheduler
 half (lookup, state update, metadata) comes first, then the worker half (load, save), in the
-article's order. Differences from vLLM (VLLM_REFERENCE 6.3), on purpose:
+article's order. Differences from vLLM 0.32's ExampleConnector, on purpose:
 - store, lookup and load all use ``n = align_to_block_size(len(prompt))``; lookup also tries shorter
   multiples of bs, so D finds P's folder when D's prompt is P's plus the generated token, even when
   P's length is a multiple of bs (vLLM then looks up one folder and loads another);
 - the match is clamped at 0, and only blocks beyond the local prefix hit are written;
 - a store is emitted in the step whose forward completes the prefix (chunked prefill:
-  shared_storage_cached.py, with a preempted request's re-load);
+  ``_update_cached_requests``, which also re-loads a preempted request's KV);
 - bad folders (missing, truncated, corrupt, another model) are skipped at lookup with a warning,
   so they are recomputed; a layer that still fails at load time (a file changed after the lookup)
   is reported by ``get_block_ids_with_load_errors()``.
@@ -171,8 +171,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         cached = scheduler_output.scheduled_cached_reqs
         if cached.req_ids and (self._requests_need_load or self._pending_stores):
             # A resumed request re-loads; a prefix prefilled in chunks collects its new blocks.
-            from minivllm.distributed.kv_transfer.shared_storage_cached import update_cached_requests
-            update_cached_requests(self, meta, cached, num_computed)
+            self._update_cached_requests(meta, cached, num_computed)
         assert not self._requests_need_load, (
             f"loads counted but not scheduled: {sorted(self._requests_need_load)}")
         stored_now: set[str] = set()
@@ -186,6 +185,28 @@ class SharedStorageConnector(KVConnectorBase_V1):
                     meta.add_request(req_id, token_ids=ids, folder=name, block_ids=blocks,
                                      block_size=bs, is_store=True)
         return meta
+
+    def _update_cached_requests(self, meta: SharedStorageConnectorMetadata, cached: Any,
+                                num_computed: dict[str, int]) -> None:
+        """The requests the worker already knows (vLLM's ``scheduled_cached_reqs``: running, or
+        resumed after a preemption), while one of them still has a transfer pending: a preempted
+        request whose lookup found stored KV again re-loads it into its new block list; a prefix
+        prefilled in chunks is stored only once its last chunk is computed, so its store collects
+        each step's new blocks. Notes each request's computed tokens in ``num_computed``. In the
+        article's examples every prompt is prefilled in one step and nothing is preempted."""
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = list(cached.new_block_ids[i][0]) if cached.new_block_ids[i] else []
+            num_computed[req_id] = cached.num_computed_tokens[i]
+            resumed = req_id in cached.resumed_req_ids
+            load = self._requests_need_load.pop(req_id, None)
+            if load is not None:     # a preempted request re-loads into its new block list
+                assert resumed, f"{req_id}: a load can only start a (re)scheduled request"
+                token_ids, folder, start = load
+                meta.add_request(req_id, token_ids=token_ids, folder=folder, block_ids=new_ids,
+                                 block_size=self._block_size, is_store=False, start=start)
+            if req_id in self._pending_stores:
+                ids, name, blocks = self._pending_stores[req_id]
+                self._pending_stores[req_id] = (ids, name, new_ids if resumed else blocks + new_ids)
 
     def _maybe_track_store(self, req_id: str, prompt: list[int], block_ids: list[int],
                            num_loaded: int) -> None:
@@ -260,9 +281,12 @@ class SharedStorageConnector(KVConnectorBase_V1):
         return nbytes
 
     def _load_failed(self, req: ReqMeta, err: Exception) -> None:
-        """Report the request's blocks for recomputing, with a warning (storage_faults.py)."""
-        from minivllm.distributed.kv_transfer.storage_faults import load_failed
-        load_failed(self, req, err)
+        """A load that failed after the lookup counted it (a file changed since): its blocks are
+        reported by ``get_block_ids_with_load_errors()`` and recomputed, with a warning."""
+        self._storage.count(num_load_errors=1)
+        self._invalid_block_ids.update(req.block_ids)
+        storage.warn(f"SharedStorageConnector: loading {req.req_id} failed ({err}); "
+                     f"blocks {req.block_ids} will be recomputed.")
 
     @recorded
     def wait_for_layer_load(self, layer_name: str) -> None:

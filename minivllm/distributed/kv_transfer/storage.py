@@ -4,7 +4,8 @@ attention layer (the format: below). vLLM 0.32 keeps the file handling inline in
 vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py (``_generate_foldername_debug``,
 ``_found_match_for_prompt``, ``safetensors.torch.save_file``/``load_file``); here it sits behind
 ``SharedStorage``, so the connector reads like vLLM's, with the integrity checks, the atomic
-writes and the counters kept out of its way.
+writes and the counters kept out of its way. Article steps (P/D): "Cache lookup"
+(``SharedStorage.lookup``), and the worker's loads and stores inside the context manager.
 
 Also the pieces every connector shares: ``align_to_block_size`` (vLLM's helper of the same name),
 ``model_fingerprint`` and ``expected_layout`` (what two instances must agree on to exchange KV),
@@ -23,29 +24,41 @@ One folder per stored prompt prefix of ``n`` tokens (``n`` a multiple of the blo
 
 The layout does not depend on the block size: any instance whose block size divides ``n`` can
 load it. A folder appears in one ``os.rename`` of a finished temporary folder, so a reader sees a
-whole folder or none.
+whole folder or none; when its name is taken already (another producer published the same prefix
+first, or a bad folder is in the way), ``publish_over`` decides.
 
 ``check_header``, the cheap check of a stored layer file: its safetensors header and its size
 against ``meta.json``, without reading the data. It serves the lookup with
 ``verify_on_lookup=False`` (the CRC32 is then checked when the file loads) and a producer's
 "is this prefix stored already?" (``SharedStorage.is_stored``). The default lookup reads every
-byte instead (``read_layer_file``), so the article's examples never run it.
+byte instead (``read_layer_file``).
+
+No fault stops the engine: a folder the lookup must skip (missing files, truncated,
+corrupt, another model), a store that cannot be written, a load that fails after the lookup counted
+it (the connector's ``_load_failed``) are each logged, raised as a ``RuntimeWarning`` (tests and
+notebooks see it) and counted in ``SharedStorage.stats``; a failed load's blocks are recomputed.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import struct
 import tempfile
 import time
+import warnings
 import zlib
 from typing import Any, Callable, Optional
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+
+from minivllm.utils import resolve_auto_dtype
+
+logger = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------ the on-disk format
 
@@ -58,6 +71,13 @@ _META_SCHEMA = {"model_fingerprint": str, "num_tokens": int, "token_ids": list, 
 
 class KVStorageError(Exception):
     """A stored folder or layer file is missing, truncated, corrupt or from another model."""
+
+
+def warn(msg: str, stacklevel: int = 3) -> None:
+    """A fault the engine survives: logged, and a ``RuntimeWarning`` pointing at the method that
+    met it (called from a ``_..._failed`` method, so two frames up)."""
+    logger.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel)
 
 
 def _md5():
@@ -104,8 +124,8 @@ def read_meta(folder: str) -> dict[str, Any]:
             raise KVStorageError(f"{folder}: {META_FILE} lacks a valid {key!r}")
     for name, info in meta["layers"].items():
         # Layer names become file names: no paths, and a size and CRC for each.
-        if os.sep in name or name.startswith(".") or not isinstance(info, dict) or not all(
-                isinstance(info.get(k), int) for k in ("nbytes", "crc32")):
+        if os.sep in name or name.startswith(".") or not isinstance(info, dict) or not (
+                isinstance(info.get("nbytes"), int) and isinstance(info.get("crc32"), int)):
             raise KVStorageError(f"{folder}: {META_FILE} has a bad entry for layer {name!r}")
     return meta
 
@@ -185,17 +205,39 @@ class FolderWriter:
 
 def commit_folder(tmp: str, final: str, final_is_valid: Callable[[], bool]) -> str:
     """Publish ``tmp`` as ``final`` with one rename: "committed". When a folder is already there,
-    ``storage_race.publish_over`` decides: "exists" (another producer won the race with a valid
-    folder; ours is dropped) or "replaced" (an invalid folder was in the way). Raises ``OSError``
-    only if publishing failed altogether."""
+    ``publish_over`` decides: "exists" (another producer won the race with a valid folder; ours is
+    dropped) or "replaced" (an invalid folder was in the way). Raises ``OSError`` only if
+    publishing failed altogether."""
     try:
         os.rename(tmp, final)   # atomic; fails when final is a non-empty folder
         return "committed"
     except OSError:
         if not os.path.exists(final):
             raise
-    from minivllm.distributed.kv_transfer.storage_race import publish_over
     return publish_over(tmp, final, final_is_valid)
+
+
+def publish_over(tmp: str, final: str, final_is_valid: Callable[[], bool]) -> str:
+    """Publish ``tmp`` where ``final`` already exists. Returns "exists" (``final`` is valid, or a
+    concurrent producer published first: ours is dropped) or "replaced" (an invalid folder was in
+    the way; it is moved aside and deleted)."""
+    if final_is_valid():
+        shutil.rmtree(tmp, ignore_errors=True)
+        return "exists"
+    trash = f"{final}.old-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        os.rename(final, trash)
+    except OSError:             # someone else moved it first: fine, try to put ours there
+        trash = None
+    try:
+        os.rename(tmp, final)
+    except OSError:             # a concurrent producer published first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return "exists"
+    finally:
+        if trash:
+            shutil.rmtree(trash, ignore_errors=True)
+    return "replaced"
 
 
 # ------------------------------------------------------------------ the cheap header check
@@ -295,10 +337,8 @@ def expected_layout(vllm_config: Any) -> dict[str, Any]:
         out["num_kv_heads"] = getattr(cfg, "num_key_value_heads", None) or heads
         hidden = getattr(cfg, "hidden_size", None)
         out["head_dim"] = getattr(cfg, "head_dim", None) or (hidden // heads if hidden and heads else None)
-    dtype = vllm_config.model_config.dtype
-    if dtype == "auto":   # the worker's rule (DESIGN 3): bfloat16 on CUDA, float32 elsewhere
-        dtype = "bfloat16" if str(vllm_config.device).startswith("cuda") else "float32"
-    out["dtype"] = dtype
+    # "auto" as the worker resolves it: bfloat16 on CUDA, float32 elsewhere.
+    out["dtype"] = resolve_auto_dtype(vllm_config.model_config.dtype, vllm_config.device)
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -307,7 +347,8 @@ class SharedStorage:
     publish a new folder; ``stats`` counts it all (names in ``STATS``, for ``LLM.get_metrics()``).
 
     A bad folder (missing, truncated, corrupt, another model) is never an error: lookups skip it
-    with a warning, and a store that fails is dropped with one (storage_faults.py)."""
+    with a warning (``_invalid_folder``), and a store that fails is dropped with one
+    (``_store_failed``)."""
 
     def __init__(self, root: str, vllm_config: Any) -> None:
         self.root = root
@@ -362,9 +403,8 @@ class SharedStorage:
                 continue
             try:
                 self._check(name, prompt[:n], verify_data)
-            except KVStorageError as e:   # skipped with a warning (storage_faults.py)
-                from minivllm.distributed.kv_transfer.storage_faults import invalid_folder
-                invalid_folder(self, e)
+            except KVStorageError as e:   # skipped with a warning: that prefix is recomputed
+                self._invalid_folder(e)
                 continue
             self.count(num_lookup_hits=1, num_matched_tokens=n - num_computed_tokens)
             return n, name
@@ -458,10 +498,21 @@ class SharedStorage:
             self.count(num_folders_committed=1, num_stored_tokens=len(token_ids))
         return outcome
 
+    # ------------------------------------------------------------------ faults
+    def _invalid_folder(self, err: Exception) -> None:
+        """The lookup skips a stored folder that fails its checks: that prefix is recomputed."""
+        self.stats["num_invalid_folders"] += 1
+        warn(f"SharedStorageConnector: ignoring stored KV ({err}); recomputing.")
+
     def _store_failed(self, req_id: str, name: str, err: Exception) -> None:
-        """Drop the folder with a warning; the step's other stores go on (storage_faults.py)."""
-        from minivllm.distributed.kv_transfer.storage_faults import store_failed
-        store_failed(self, req_id, name, err)
+        """A folder that could not be created, written or published: it is dropped (its temporary
+        folder removed), with a warning, and the step's other stores go on."""
+        self.stats["num_store_errors"] += 1
+        warn(f"SharedStorageConnector: storing {req_id} failed ({err}); not stored.")
+        writer = self._writers.get(name)
+        if writer is not None:
+            writer.abort()
+        self._writers[name] = None
 
 
 # ------------------------------------------------------------------ host <-> device copies

@@ -1,8 +1,9 @@
 """vLLM 0.32's connector calls around the forward (``KVTransferConfig(kv_connector_context=
-"vllm_today")``), a mixin over the article's ``KVConnectorModelRunnerMixin``, and the context
-``defer_finalize`` uses under spec decode whenever the drafter's layers move with the target's.
-Mirrors vllm/v1/worker/kv_connector_model_runner_mixin.py ``_get_kv_connector_output`` and
-``kv_connector_no_forward``.
+"vllm_today")``), an override of the article's ``KVConnectorModelRunnerMixin``
+(worker/kv_connector_model_runner_mixin.py), and the context ``defer_finalize`` uses under spec
+decode whenever the drafter's layers move with the target's. Mirrors
+vllm/v1/worker/kv_connector_model_runner_mixin.py ``_get_kv_connector_output`` and
+``kv_connector_no_forward``. Article steps (P/D): "Context manager" (``pd.enter``, ``pd.exit``).
 
 Where it differs from the article:
 - ``start_load_kv`` runs before the forward only when ``scheduler_output.has_sync_kv_loads`` (a
@@ -17,28 +18,21 @@ Where it differs from the article:
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator
 
 from minivllm.distributed.kv_transfer.base import KVConnectorOutput
 from minivllm.forward_context import get_forward_context, set_forward_context
-
-
-class ConnectorRunner(Protocol):
-    """What the context needs of the runner (``KVConnectorModelRunnerMixin``'s public half)."""
-    kv_connector: Any
-
-    def bind_kv_connector_metadata(self, scheduler_output: Any) -> KVConnectorOutput: ...
-
-    def finalize_kv_connector(self, scheduler_output: Any, output: KVConnectorOutput,
-                              wait_for_save: bool = True) -> KVConnectorOutput: ...
+from minivllm.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
 
 @contextmanager
-def get_kv_connector_output(runner: ConnectorRunner, scheduler_output: Any,
+def get_kv_connector_output(runner: KVConnectorModelRunnerMixin, scheduler_output: Any,
                             start_after_forward: bool = True, wait_for_save: bool = True,
                             defer_finalize: bool = False) -> Iterator[KVConnectorOutput]:
     """``start_after_forward``: the vLLM 0.32 order (the call moves after the forward unless the
-    step has a synchronous load); ``False`` keeps the article's order (``defer_finalize`` alone)."""
+    step has a synchronous load); ``False`` keeps the article's order (``defer_finalize`` alone).
+    A function (vLLM's is a static method): both 0.32 overlays enter it, and it changes the
+    runner only through the runner's own methods."""
     connector = runner.kv_connector
     output = runner.bind_kv_connector_metadata(scheduler_output)
     start_after_forward = start_after_forward and not scheduler_output.has_sync_kv_loads
@@ -57,7 +51,7 @@ def get_kv_connector_output(runner: ConnectorRunner, scheduler_output: Any,
                 runner.finalize_kv_connector(scheduler_output, output, wait_for_save)
 
 
-class VllmTodayKVConnectorMixin:
+class VllmTodayKVConnectorMixin(KVConnectorModelRunnerMixin):
     """Overrides ``maybe_get_kv_connector_output`` and ``kv_connector_no_forward``."""
 
     def maybe_get_kv_connector_output(self, scheduler_output: Any):

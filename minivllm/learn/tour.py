@@ -282,7 +282,7 @@ def _connector_configs(connector: str, stack: ExitStack) -> tuple[Any, Any]:
     when ``stack`` closes."""
     from minivllm.config import KVTransferConfig
     if connector == "redis":
-        from minivllm.kvstore import RedisServer
+        from minivllm.distributed.kv_transfer.redis_server import RedisServer
         server = RedisServer().start()           # a child process, stopped by its PID
         stack.callback(server.stop)
         return (KVTransferConfig("RedisStoreConnector", "kv_producer", {"url": server.url}),

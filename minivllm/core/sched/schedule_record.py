@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 from minivllm import trace
-from minivllm.core.kv_cache_record import kv_cache_snapshot
 
 
 def record_schedule(scheduler: Any, so: Any, token_budget: int) -> None:
@@ -25,6 +24,6 @@ def record_schedule(scheduler: Any, so: Any, token_budget: int) -> None:
         waiting=[r.request_id for r in (*scheduler.kv_holding_waiting, *scheduler.waiting)],
         statuses={r.request_id: r.status.name for r in scheduler.requests.values()})
     ids = [r.request_id for r in scheduler.running]
-    snap = kv_cache_snapshot(scheduler.kv_cache_manager, ids)
+    snap = scheduler.kv_cache_manager.snapshot(ids)
     snap["num_computed_tokens"] = {r.request_id: r.num_computed_tokens for r in scheduler.running}
     trace.record("kv_cache", **snap)

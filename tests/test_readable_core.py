@@ -143,13 +143,3 @@ def test_file_code_lines_skips_docstrings_comments_and_blanks(tmp_path):
                     '    # a comment\n    x = (1,\n         2)\n\n    def f(self):\n        "doc"\n'
                     '        return """not a docstring"""\n')
     assert code_stats.file_code_lines(str(path)) == 6
-
-
-MAX_FILE_CODE_LINES = 400   # a file that mirrors a large vLLM file holds its parts together
-
-
-def test_every_package_file_is_at_most_400_code_lines():
-    pkg = os.path.join(code_stats.ROOT, "minivllm")
-    long = {f: n for f in code_stats.package_file_lines()
-            if (n := code_stats.file_code_lines(os.path.join(pkg, f))) > MAX_FILE_CODE_LINES}
-    assert not long, f"files over {MAX_FILE_CODE_LINES} code lines: {long}"

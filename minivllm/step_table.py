@@ -165,14 +165,14 @@ STEPS: tuple[Step, ...] = (
          needs=('pd.init.scheduler',)),
     Step("pd.async_wait", "An asynchronous load starts: the request waits in "
          "WAITING_FOR_REMOTE_KVS, blocks allocated, while the worker fetches its KV.",
-         "start_async_load", "core/sched/kv_holding.py",
-         "request.request_id, num_external_computed_tokens, sched.waiting_for_remote_kvs",
+         "Scheduler._start_async_load", "core/sched/scheduler.py",
+         "request.request_id, num_external_computed_tokens, self.waiting_for_remote_kvs",
          anchor='trace.record("remote_kv_wait"',
          needs=('pd.init.scheduler',),
          never_means='no load was asynchronous (SharedStorageConnector loads in the forward)'),
     Step("pd.async_ready", "The worker reported the load done (finished_recving): the loaded tokens "
          "count as computed and the request is scheduled again.",
-         "update_waiting_for_remote_kv", "core/sched/kv_holding.py",
+         "Scheduler._update_waiting_for_remote_kv", "core/sched/scheduler.py",
          "req_id, num_computed_tokens",
          anchor='trace.record("remote_kv_ready"',
          needs=('pd.init.scheduler', 'pd.async_wait')),

@@ -3,7 +3,6 @@ import pytest
 
 from minivllm.core import kv_cache_utils
 from minivllm.core.block_pool import BlockPool
-from minivllm.core.kv_cache_record import block_pool_snapshot
 from minivllm.core.kv_cache_utils import (NONE_HASH, FreeKVCacheBlockQueue, KVCacheBlock, KVCacheBlocks,
                                           get_request_block_hasher, hash_block_tokens)
 from minivllm.request import Request
@@ -149,7 +148,7 @@ def test_cache_evict_lazily_and_lru_order():
     assert pool.get_cached_block(h1, [4, 5, 6, 7]) is blocks[1]
     # freed in reverse (as KVCacheManager.free does): tail block goes to the front of eviction
     pool.free_blocks(reversed(blocks))
-    snap = block_pool_snapshot(pool)
+    snap = pool.snapshot()
     assert snap["free_block_ids"] == [3, 4, 5, 2, 1]
     assert snap["cached_block_ids"] == [1, 2]  # hashes kept after free
     assert snap["ref_cnts"] == [0] * 6

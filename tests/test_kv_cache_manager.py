@@ -6,7 +6,6 @@ import pytest
 
 from minivllm.core import kv_cache_utils
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.kv_cache_record import block_pool_snapshot, kv_cache_snapshot
 from minivllm.core.kv_cache_utils import get_request_block_hasher
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
@@ -148,10 +147,10 @@ def test_hit_on_free_blocks_counts_against_free_pool_and_none_has_no_side_effect
     b = make_request("b", list(range(8)) + [7, 7, 7, 7, 7])  # 13 tokens -> 4 blocks, 2 of them hits
     hit_blocks, num_hit = mgr.get_computed_blocks(b)
     assert num_hit == 8 and mgr.block_pool.get_num_free_blocks() == 2
-    before = (kv_cache_snapshot(mgr), dict(mgr.num_cached_block))
+    before = (mgr.snapshot(), dict(mgr.num_cached_block))
     # needs 2 fresh blocks + 2 hit blocks leaving the free queue = 4 > 2 free
     assert mgr.allocate_slots(b, 5, num_hit, hit_blocks) is None
-    assert (kv_cache_snapshot(mgr), dict(mgr.num_cached_block)) == before
+    assert (mgr.snapshot(), dict(mgr.num_cached_block)) == before
     assert "b" not in mgr.req_to_blocks
     mgr.free(filler)
     assert mgr.allocate_slots(b, 5, num_hit, hit_blocks).get_block_ids() == ([4, 3],)
@@ -182,7 +181,7 @@ def test_delay_cache_blocks_then_cache_blocks():
     assert mgr.block_pool.cached_block_hash_to_block == {}
     mgr.cache_blocks(req, 8)
     assert mgr.num_cached_block["a"] == 2
-    assert kv_cache_snapshot(mgr, ["a"])["cached_block_ids"] == [1, 2]
+    assert mgr.snapshot(["a"])["cached_block_ids"] == [1, 2]
     mgr.cache_blocks(req, 8)  # idempotent
 
 
@@ -190,12 +189,12 @@ def test_snapshot_and_reset_prefix_cache():
     mgr = KVCacheManager(num_gpu_blocks=6, block_size=BS, max_model_len=64)
     a = make_request("a", list(range(6)))
     run_prefill(mgr, a)
-    snap = kv_cache_snapshot(mgr, ["a", "missing"])
+    snap = mgr.snapshot(["a", "missing"])
     assert snap["block_tables"] == {"a": [1, 2], "missing": []}
     assert snap["free_block_ids"] == [3, 4, 5] and snap["num_free_blocks"] == 3
     assert snap["cached_block_ids"] == [1] and snap["ref_cnts"] == [0, 1, 1, 0, 0, 0]
     assert snap["num_gpu_blocks"] == 6
-    assert kv_cache_snapshot(mgr)["block_tables"] == {"a": [1, 2]}
+    assert mgr.snapshot()["block_tables"] == {"a": [1, 2]}
     assert not mgr.reset_prefix_cache()
     mgr.free(a)
     assert mgr.reset_prefix_cache()
@@ -230,7 +229,7 @@ def test_random_workload_leaks_nothing():
         for blocks in mgr.req_to_blocks.values():
             for blk in blocks:
                 holders[blk.block_id] = holders.get(blk.block_id, 0) + 1
-        snap = block_pool_snapshot(mgr.block_pool)
+        snap = mgr.block_pool.snapshot()
         assert all(snap["ref_cnts"][bid] == n for bid, n in holders.items())
         assert snap["num_free_blocks"] + len(holders) == 11
         assert 0 not in holders and 0 not in snap["free_block_ids"]

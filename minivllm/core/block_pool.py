@@ -12,7 +12,7 @@ Block 0 is the ``null_block``: popped once at start-up and never handed out or f
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from minivllm.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
 
@@ -141,3 +141,16 @@ class BlockPool:
         if not total_gpu_blocks:
             return 0.0
         return 1.0 - (self.get_num_free_blocks() / total_gpu_blocks)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The pool as plain data, for the ``"kv_cache"`` step record and for tests (vLLM has no such
+        view): ``num_gpu_blocks``, ``num_free_blocks``, ``free_block_ids`` (in eviction order),
+        ``cached_block_ids`` and every block's ``ref_cnts``."""
+        return {
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "num_free_blocks": self.get_num_free_blocks(),
+            "free_block_ids": [b.block_id for b in self.free_block_queue.get_all_free_blocks()],
+            "cached_block_ids": sorted(
+                bid for candidates in self.cached_block_hash_to_block.values() for bid in candidates),
+            "ref_cnts": [b.ref_cnt for b in self.blocks],
+        }

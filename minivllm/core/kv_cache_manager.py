@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from minivllm.core.block_pool import BlockPool
 from minivllm.core.kv_cache_utils import BlockHash, KVCacheBlock, KVCacheBlocks
@@ -215,6 +215,16 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.block_pool.get_usage()
+
+    def snapshot(self, request_ids: Optional[Iterable[str]] = None) -> dict[str, Any]:
+        """The block tables and the pool as plain data, for the ``"kv_cache"`` step record and for
+        tests (vLLM has no such view): ``block_tables`` {req_id: [block ids]} (every request holding
+        blocks if ``request_ids`` is None) plus ``BlockPool.snapshot()``."""
+        if request_ids is None:
+            request_ids = list(self.req_to_blocks)
+        block_tables = {rid: [b.block_id for b in self.req_to_blocks.get(rid, [])]
+                        for rid in request_ids}
+        return {"block_tables": block_tables, **self.block_pool.snapshot()}
 
     def reset_prefix_cache(self) -> bool:
         if not self.block_pool.reset_prefix_cache():

@@ -3,7 +3,7 @@
 ``add_request()`` / ``step()`` / ``has_unfinished_requests()`` let a notebook or a debugger drive the
 engine one step at a time; ``LLM.generate()`` is a loop over exactly these calls.
 Beside it, read only when needed: parallel_sampling.py (``n > 1``), logprobs.py (a request asking
-for them), core/sched/stop_strings.py (stop strings).
+for them).
 """
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ class LLMEngine:
         text = self._detokenize(token_ids) if self.tokenizer is not None else ""
         stop = request.stop_reason
         if isinstance(stop, str):   # stopped by a stop string: the text ends there
-            from minivllm.core.sched.stop_strings import truncate_at_stop
+            from minivllm.core.sched.utils import truncate_at_stop
             text = truncate_at_stop(text, stop, request.sampling_params.include_stop_str_in_output)
         completion = CompletionOutput(0, text, token_ids, request.get_finished_reason(), stop)
         lp = self._logprobs.get(request.request_id)

@@ -1,9 +1,9 @@
-"""The scheduler, mirroring vllm/v1/core/sched/scheduler.py (Dec-2025 semantics).
+"""The scheduler, mirroring vllm/v1/core/sched/scheduler.py (Dec-2025 semantics): one class, as in
+vLLM.
 
 There are no prefill and decode phases: each step tries to close the gap between a request's
 ``num_computed_tokens`` and ``num_tokens_with_spec`` under a token budget. ``schedule()`` runs
-vLLM's sections in order, each a function here, sharing what it builds in ``ScheduledRequests``
-(utils.py):
+vLLM's sections in order, each a method here, sharing what it builds in ``ScheduledRequests``:
 - ``schedule_running``: the running requests (spec decode step 4: drafts in
   ``request.spec_token_ids`` count as new tokens, so ``allocate_slots`` reserves their KV slots;
   preempting from the back of ``running`` when it fails);
@@ -13,32 +13,63 @@ vLLM's sections in order, each a function here, sharing what it builds in ``Sche
 - ``_make_scheduler_output``: the ``SchedulerOutput``, with P/D "build metadata object"
   (``build_connector_meta``).
 The KV-transfer bookkeeping that only a connector exercises closes the class; a step with no
-connector runs none of it. An asynchronous load takes its own path: its request waits in
-``WAITING_FOR_REMOTE_KVS`` in ``kv_holding_waiting`` (vLLM 0.32's queue, scanned first:
-``schedule_kv_holding``) until the worker reports it in ``finished_recving``.
-Beside it, read only when needed (the article's examples never need them), each taking the
-scheduler as an argument and never importing this file: kv_holding.py (the asynchronous-load
-path), delayed_free.py (blocks a transfer still uses), failed_loads.py (a load that failed),
-stop_strings.py (a request with stop strings), schedule_record.py (a recorded step);
-spec_decode/metrics.py, once drafts are verified (``spec_decoding_stats``).
+connector runs none of it:
+- an asynchronous load (the RedisStore and ZmqPull connectors; never the article's
+  SharedStorage connector): its request waits in ``WAITING_FOR_REMOTE_KVS`` in
+  ``kv_holding_waiting`` (vLLM 0.32's queue, scanned first: ``schedule_kv_holding``) until the
+  worker reports it in ``finished_recving`` (``_update_waiting_for_remote_kv``);
+- delayed free (vLLM's ``_free_request`` and ``_update_from_kv_xfer_finished``): a finished
+  request keeps its blocks while a transfer still uses them;
+- a failed load (vLLM's ``_handle_invalid_blocks``, ``kv_load_failure_policy``).
+Step records (trace.py): ``"schedule"`` and ``"kv_cache"`` once per step while a step is recorded,
+``"preempt"``, ``"prefix_hit"``, ``"remote_kv_wait"``, ``"remote_kv_ready"``, ``"delay_free"``,
+``"delayed_free_done"``, ``"kv_load_failed"``.
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 from minivllm import trace
 from minivllm.config import VllmConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.kv_cache_utils import KVCacheBlocks, get_request_block_hasher
-from minivllm.core.sched.output import NewRequestData, SchedulerOutput
-from minivllm.core.sched.utils import (ComputedTokens, ScheduledRequests, check_stop,
-                                       make_cached_request_data, schedule_spec_tokens)
+from minivllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from minivllm.core.sched.utils import check_stop
 from minivllm.request import Request, RequestStatus
 from minivllm.utils import cdiv
 
 if TYPE_CHECKING:
     from minivllm.spec_decode.metrics import SpecDecodingStats
+
+
+class ComputedTokens(NamedTuple):
+    """A waiting request's cache lookup (``Scheduler._get_computed_tokens``), in vLLM's names."""
+    new_computed_blocks: Optional[KVCacheBlocks]   # local prefix-cache hits (None: none looked up)
+    num_new_local_computed_tokens: int
+    num_external_computed_tokens: int              # the connector's hit
+    num_computed_tokens: int                       # what the request starts from
+    load_kv_async: bool                            # the connector loads it in the background
+
+
+@dataclass
+class ScheduledRequests:
+    """The lists and dicts one ``schedule()`` call fills, under the names vLLM's ``schedule()``
+    gives them as locals: the running loop makes it, the waiting loop adds to it,
+    ``_make_scheduler_output`` turns it into the ``SchedulerOutput``."""
+    token_budget: int
+    scheduled_running_reqs: list[Request] = field(default_factory=list)
+    preempted_reqs: list[Request] = field(default_factory=list)
+    # req_id -> the blocks the worker learns of this step (running: the new ones; new and
+    # resumed requests: all of them)
+    req_to_new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_new_reqs: list[Request] = field(default_factory=list)
+    scheduled_resumed_reqs: list[Request] = field(default_factory=list)
+    # A request admitted this step loads external KV in this step's forward.
+    has_sync_kv_loads: bool = False
 
 
 class Scheduler:
@@ -55,7 +86,8 @@ class Scheduler:
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
-        # Waiting requests that hold KV blocks: their asynchronous load was started (kv_holding.py).
+        # Waiting requests that hold KV blocks: their asynchronous load was started
+        # (``_start_async_load``).
         self.kv_holding_waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Sent to the worker in the *next* SchedulerOutput, then replaced by a new set.
@@ -151,8 +183,7 @@ class Scheduler:
         scheduler_output = self._make_scheduler_output(scheduled)
         self._update_after_schedule(scheduler_output)
         if trace.active and trace.is_recording():   # the "schedule" and "kv_cache" step records
-            from minivllm.core.sched.schedule_record import record_schedule
-            record_schedule(self, scheduler_output, scheduled.token_budget)
+            self._record_schedule(scheduler_output, scheduled.token_budget)
         return scheduler_output
 
     def schedule_running(self, token_budget: int) -> ScheduledRequests:
@@ -197,10 +228,23 @@ class Scheduler:
             token_budget -= num_new_tokens
             req_index += 1
             if request.spec_token_ids:
-                schedule_spec_tokens(request, num_new_tokens, scheduled_spec_decode_tokens)
+                self._schedule_spec_tokens(request, num_new_tokens, scheduled_spec_decode_tokens)
         return ScheduledRequests(token_budget, scheduled_running_reqs, preempted_reqs,
                                  req_to_new_blocks, num_scheduled_tokens,
                                  scheduled_spec_decode_tokens)
+
+    def _schedule_spec_tokens(self, request: Request, num_new_tokens: int,
+                              scheduled_spec_decode_tokens: dict[str, list[int]]) -> None:
+        """The drafts that fit in ``num_new_tokens`` go to the workers (the budget or max_model_len
+        may have cut some); ``request.spec_token_ids`` is emptied, fresh drafts arrive through
+        ``update_draft_token_ids()`` after this step (the "Speculative decode related" lines of
+        vLLM's ``schedule``)."""
+        num_scheduled_spec_tokens = (num_new_tokens + request.num_computed_tokens
+                                     - request.num_tokens)
+        if num_scheduled_spec_tokens > 0:
+            scheduled_spec_decode_tokens[request.request_id] = (
+                request.spec_token_ids[:num_scheduled_spec_tokens])
+        request.spec_token_ids = []
 
     def schedule_waiting(self, scheduled: ScheduledRequests) -> None:
         """Next, the WAITING requests (vLLM's second loop), while the budget and ``max_num_seqs``
@@ -221,7 +265,7 @@ class Scheduler:
                 continue
             (new_computed_blocks, num_new_local_computed_tokens, num_external_computed_tokens,
              num_computed_tokens, load_kv_async) = computed_tokens
-            if load_kv_async:   # load first, compute later (kv_holding.py)
+            if load_kv_async:   # load first, compute later
                 if not self._start_async_load(request, computed_tokens):
                     break
                 self.kv_holding_waiting.append(self.waiting.popleft())
@@ -325,7 +369,7 @@ class Scheduler:
         new_reqs_data = [
             NewRequestData.from_request(r, req_to_new_blocks[r.request_id].get_block_ids())
             for r in scheduled.scheduled_new_reqs]
-        cached_reqs_data = make_cached_request_data(
+        cached_reqs_data = self._make_cached_request_data(
             scheduled.scheduled_running_reqs, scheduled.scheduled_resumed_reqs, req_to_new_blocks)
         num_scheduled_tokens = scheduled.num_scheduled_tokens
         scheduler_output = SchedulerOutput(
@@ -344,6 +388,21 @@ class Scheduler:
                 scheduler_output)
         return scheduler_output
 
+    def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],
+                                  req_to_new_blocks: dict[str, KVCacheBlocks]) -> CachedRequestData:
+        """The requests the worker already knows (running) or knew (resumed after preemption), as
+        column-oriented deltas (vLLM's ``_make_cached_request_data``)."""
+        data = CachedRequestData()
+        for req in running_reqs + resumed_reqs:
+            data.req_ids.append(req.request_id)
+            if req in resumed_reqs:
+                data.resumed_req_ids.add(req.request_id)
+                data.resumed_req_token_ids[req.request_id] = list(req.all_token_ids)
+            data.new_block_ids.append(req_to_new_blocks[req.request_id].get_block_ids())
+            data.num_computed_tokens.append(req.num_computed_tokens)
+            data.num_output_tokens.append(req.num_output_tokens)
+        return data
+
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         # num_computed_tokens is optimistic: advanced *before* the model runs; rejected drafts are
         # subtracted again in update_from_output.
@@ -352,6 +411,28 @@ class Scheduler:
             request.num_computed_tokens += n
             request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
         self.finished_req_ids = set()
+
+    def _record_schedule(self, scheduler_output: SchedulerOutput, token_budget_left: int) -> None:
+        """The step records ``"schedule"`` (what was scheduled, from ``scheduler_output``, with
+        what was left of the token budget) and ``"kv_cache"`` (the running requests' block tables
+        and the pool, ``KVCacheManager.snapshot``), written while a step is recorded
+        (``engine.tracer.enabled = True``: the tours, the notebooks' figures)."""
+        so = scheduler_output
+        trace.record(
+            "schedule", num_scheduled_tokens=dict(so.num_scheduled_tokens),
+            scheduled_spec_decode_tokens={k: list(v) for k, v in
+                                          so.scheduled_spec_decode_tokens.items()},
+            preempted_req_ids=sorted(so.preempted_req_ids),
+            new_req_ids=[r.req_id for r in so.scheduled_new_reqs],
+            resumed_req_ids=sorted(so.scheduled_cached_reqs.resumed_req_ids),
+            total_num_scheduled_tokens=so.total_num_scheduled_tokens,
+            token_budget=self.max_num_scheduled_tokens, token_budget_left=token_budget_left,
+            running=[r.request_id for r in self.running],
+            waiting=[r.request_id for r in (*self.kv_holding_waiting, *self.waiting)],
+            statuses={r.request_id: r.status.name for r in self.requests.values()})
+        snap = self.kv_cache_manager.snapshot([r.request_id for r in self.running])
+        snap["num_computed_tokens"] = {r.request_id: r.num_computed_tokens for r in self.running}
+        trace.record("kv_cache", **snap)
 
     def _preempt_request(self, request: Request) -> None:
         """vLLM's ``_preempt_request``: recompute, not swap. Free all of the request's blocks and
@@ -439,7 +520,7 @@ class Scheduler:
         """vLLM's ``_free_request``: the connector sees the blocks of the computed tokens and may
         keep them (``delay_free``) until its worker reports ``finished_sending``; a request whose
         asynchronous load is still writing into its blocks keeps them until ``finished_recving``,
-        whatever the connector says (vLLM's ``finish_requests``)."""
+        whatever the connector says (vLLM's ``finish_requests``). Otherwise ``_free_blocks``."""
         assert request.is_finished()
         req_id = request.request_id
         delay_free = False
@@ -451,7 +532,16 @@ class Scheduler:
             delay_free, request.output_kv_transfer_params = self.connector.request_finished(
                 request, self._computed_block_ids(request))
         self.finished_req_ids.add(req_id)
-        self._delay_or_free(request, sending=bool(delay_free), recving=loading)
+        if delay_free or loading:
+            self._delay_free(request, sending=bool(delay_free), recving=loading)
+        else:
+            self._free_blocks(request)
+
+    def _free_blocks(self, request: Request) -> None:
+        """vLLM's ``_free_blocks``: the request's blocks go back to the pool and it leaves
+        ``requests``."""
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                      eos_token_id: Optional[int], prompt: Optional[str] = None) -> Request:
@@ -459,43 +549,154 @@ class Scheduler:
                        block_hasher=self.block_hasher, prompt=prompt)
 
     # ------------------------------------------------------------------ KV transfer (a connector only)
-    # vLLM's names; what only other connectors or faults exercise is in kv_holding.py,
-    # delayed_free.py and failed_loads.py, read only when needed.
+    # An asynchronous load: the request waits in kv_holding_waiting (vLLM 0.32's queue). Step
+    # records: "remote_kv_wait" when its load starts, "remote_kv_ready" once it landed.
     def _start_async_load(self, request: Request, computed_tokens: ComputedTokens) -> bool:
-        """Load first, compute later (the connector's ``load_kv_async``): the request waits in
-        ``WAITING_FOR_REMOTE_KVS`` while the worker fetches its KV (kv_holding.py). Returns
-        False (nothing changed) when its blocks do not fit."""
-        from minivllm.core.sched.kv_holding import start_async_load
-        return start_async_load(self, request, computed_tokens)
+        """Load first, compute later: the connector's ``load_kv_async``. Blocks for the local
+        hits and the external tokens only, not cached until the load lands; then the request
+        waits in ``WAITING_FOR_REMOTE_KVS`` while the worker fetches in the background and other
+        requests keep running. Returns False (nothing changed) when the blocks do not fit."""
+        (new_computed_blocks, num_new_local_computed_tokens, num_external_computed_tokens,
+         num_computed_tokens, _) = computed_tokens
+        # No lookahead while the load is pending, as vLLM 0.32 (scheduler.py): nothing is
+        # computed yet, so nothing drafts. The request gets its k slots once it runs.
+        new_blocks = self._allocate_and_update_state(
+            request, num_new_tokens=0, num_new_local_computed_tokens=num_new_local_computed_tokens,
+            new_computed_blocks=new_computed_blocks,
+            num_external_computed_tokens=num_external_computed_tokens, num_lookahead_tokens=0,
+            delay_cache_blocks=True)
+        if new_blocks is None:
+            return False
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote_kvs[request.request_id] = num_computed_tokens
+        trace.record("remote_kv_wait", req_id=request.request_id,
+                     num_local_computed_tokens=num_new_local_computed_tokens,
+                     num_external_computed_tokens=num_external_computed_tokens)
+        return True
+
+    def _update_waiting_for_remote_kv(self, request: Request) -> bool:
+        """vLLM's ``_update_waiting_for_remote_kv``: once the load is reported, the request's loaded
+        tokens count as computed (only those before a failed block) and its full blocks enter the
+        prefix cache. Returns whether the request can be scheduled now."""
+        req_id = request.request_id
+        if req_id not in self.finished_recving_kv_req_ids:
+            return False
+        self.finished_recving_kv_req_ids.remove(req_id)
+        num_computed_tokens = min(self.waiting_for_remote_kvs.pop(req_id), request.num_tokens - 1)
+        if num_computed_tokens == 0:   # the first block already failed: start over, lookup included
+            self.kv_cache_manager.free(request)
+        elif self.kv_cache_manager.enable_caching:
+            self.kv_cache_manager.cache_blocks(request, num_computed_tokens)
+        request.num_computed_tokens = num_computed_tokens
+        request.num_external_computed_tokens = min(request.num_external_computed_tokens,
+                                                   num_computed_tokens)
+        trace.record("remote_kv_ready", req_id=req_id, num_computed_tokens=num_computed_tokens)
+        return True
 
     def schedule_kv_holding(self, scheduled: ScheduledRequests) -> bool:
         """vLLM 0.32's ``kv_holding_waiting`` queue, scanned before ``waiting``: the requests whose
-        asynchronous load was started, scheduled once their load landed (kv_holding.py, read only
-        when the queue is not empty). Returns False when one found no room: then no waiting
-        request is scheduled this step either, as in vLLM."""
-        if not self.kv_holding_waiting:
+        asynchronous load was started. One still loading is skipped (the scan goes on); once the
+        worker reported its load, its loaded tokens are computed and their blocks allocated, so it
+        needs no lookup, only slots for the rest of its prompt (vLLM: "WAITING reqs have
+        num_computed_tokens > 0 after async KV recvs are completed"). A load whose first block
+        failed starts over in ``waiting``, lookup included. Returns False when a request found no
+        room: then no waiting request is scheduled this step either, as in vLLM."""
+        if not self.kv_holding_waiting:   # no load was asynchronous
             return True
-        from minivllm.core.sched.kv_holding import schedule_kv_holding
-        return schedule_kv_holding(self, scheduled)
+        skipped: deque[Request] = deque()
+        fits = True
+        while (self.kv_holding_waiting and scheduled.token_budget > 0
+               and len(self.running) < self.max_num_running_reqs):
+            request = self.kv_holding_waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if not self._update_waiting_for_remote_kv(request):
+                    skipped.append(self.kv_holding_waiting.popleft())
+                    continue
+                request.status = (RequestStatus.PREEMPTED if request.num_preemptions
+                                  else RequestStatus.WAITING)
+            if request.num_computed_tokens == 0:
+                self.waiting.appendleft(self.kv_holding_waiting.popleft())
+                continue
+            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            if 0 < self.long_prefill_token_threshold < num_new_tokens:
+                num_new_tokens = self.long_prefill_token_threshold
+            if not self.enable_chunked_prefill and num_new_tokens > scheduled.token_budget:
+                fits = False
+                break
+            num_new_tokens = min(num_new_tokens, scheduled.token_budget)
+            new_blocks = self._allocate_and_update_state(
+                request, num_new_tokens=num_new_tokens, num_new_local_computed_tokens=0,
+                new_computed_blocks=None, num_external_computed_tokens=0,
+                num_lookahead_tokens=self.num_lookahead_tokens)
+            if new_blocks is None:
+                fits = False
+                break
+            self.kv_holding_waiting.popleft()
+            loaded = ComputedTokens(
+                new_computed_blocks=None, num_new_local_computed_tokens=0,
+                num_external_computed_tokens=0, num_computed_tokens=request.num_computed_tokens,
+                load_kv_async=False)   # computed by the load: no lookup, nothing external now
+            self._add_to_running(request, scheduled, num_new_tokens, loaded)
+        self.kv_holding_waiting.extendleft(reversed(skipped))
+        return fits
 
-    # ------------------------------------------------------------------ failed loads, transfers
+    # ------------------------------------------------------------------ failed loads
+    # Step record: "kv_load_failed" (req_id, policy) when kv_load_failure_policy="fail" ends a
+    # request.
     def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:
         """External KV that failed to load after it was counted as computed (vLLM's
-        ``_handle_invalid_blocks``): each affected request is cut back to its first invalid block.
-        In failed_loads.py, read only once a load has failed. Returns the affected ids."""
-        from minivllm.core.sched.failed_loads import handle_invalid_blocks
-        return handle_invalid_blocks(self, invalid_block_ids)
+        ``_handle_invalid_blocks``, for ``KVConnectorOutput.invalid_block_ids``): cut each affected
+        request back to its first invalid block so the next step recomputes from there; its output
+        this step was computed on bad KV. Returns the affected ids (running ones and asynchronous
+        loads)."""
+        affected = set()
+        for req_id, target in list(self.waiting_for_remote_kvs.items()):   # async loads
+            block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
+            bad = [i for i, b in enumerate(block_ids[:cdiv(target, self.block_size)])
+                   if b in invalid_block_ids]
+            if bad:
+                self.waiting_for_remote_kvs[req_id] = min(target, bad[0] * self.block_size)
+                affected.add(req_id)
+        for request in self.running:
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]
+            num_blocks = cdiv(request.num_computed_tokens, self.block_size)
+            bad = [i for i, b in enumerate(block_ids[:num_blocks]) if b in invalid_block_ids]
+            if not bad:
+                continue
+            valid = bad[0] * self.block_size
+            lost = request.num_computed_tokens - valid
+            request.num_computed_tokens = valid
+            request.num_cached_tokens = min(request.num_cached_tokens, valid)
+            request.num_external_computed_tokens = max(
+                0, request.num_external_computed_tokens - lost)
+            affected.add(request.request_id)
+        return affected
 
     def _kv_load_failure_policy(self) -> str:
         ktc = self.vllm_config.kv_transfer_config
         return ktc.kv_load_failure_policy if ktc is not None else "recompute"
 
     def _finish_failed_loads(self, req_ids: set[str]) -> list[tuple[Request, list[int]]]:
-        """``kv_load_failure_policy="fail"``: the requests whose KV did not load finish with
-        ``FINISHED_ERROR`` (failed_loads.py)."""
-        from minivllm.core.sched.failed_loads import finish_failed_loads
-        return finish_failed_loads(self, req_ids)
+        """``kv_load_failure_policy="fail"`` (vLLM 0.32's default): a request whose external KV
+        did not load finishes with ``FINISHED_ERROR`` and no new tokens; an asynchronous load keeps
+        its blocks until the worker reports it (``_free_request``)."""
+        outputs = []
+        for req_id in sorted(req_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            trace.record("kv_load_failed", req_id=req_id, policy="fail")
+            self.finish_requests([req_id], RequestStatus.FINISHED_ERROR)
+            outputs.append((request, []))
+        return outputs
 
+    # ------------------------------------------------------------------ held blocks
+    # Delayed free: a finished request leaves running / waiting at once, but its blocks and its
+    # `requests` entry stay while (a) the connector's request_finished returned delay_free=True,
+    # until the worker reports it in finished_sending (P in the pull model: D reads P's blocks
+    # after P finished), or (b) an asynchronous load still writes into them, until
+    # finished_recving (an abort while WAITING_FOR_REMOTE_KVS). Step records: "delay_free" when a
+    # finished request keeps its blocks, "delayed_free_done" when they are freed at last.
     def _computed_block_ids(self, request: Request) -> list[int]:
         """The blocks that hold the request's computed tokens (vLLM passes
         ``get_block_ids_for_computed_tokens`` to ``request_finished``): lookahead blocks that were
@@ -503,21 +704,40 @@ class Scheduler:
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]
         return block_ids[:cdiv(max(request.num_computed_tokens, 0), self.block_size)]
 
-    def _delay_or_free(self, request: Request, sending: bool, recving: bool) -> None:
-        """A finished request's blocks are freed at once, unless a transfer still uses them:
-        the connector's worker reads them out (``sending``) or a load still writes into them
-        (``recving``); then they wait for the worker's report (delayed_free.py)."""
-        if sending or recving:
-            from minivllm.core.sched.delayed_free import delay_free
-            delay_free(self, request, sending, recving)
-        else:
-            self.kv_cache_manager.free(request)
-            del self.requests[request.request_id]
+    def _delay_free(self, request: Request, sending: bool, recving: bool) -> None:
+        """Keep a finished request's blocks while a transfer uses them: the connector's worker reads
+        them out (``sending``), a load still writes into them (``recving``)."""
+        reasons = ({"sending"} if sending else set()) | ({"recving"} if recving else set())
+        self.delayed_free[request.request_id] = reasons
+        trace.record("delay_free", req_id=request.request_id, reasons=sorted(reasons),
+                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id)[0])
+
+    def _release_delayed_free(self, req_id: str, reason: str) -> bool:
+        """One transfer holding a finished request's blocks completed; free them once none does
+        (``_free_blocks``). Returns whether ``req_id`` was a delayed finished request."""
+        reasons = self.delayed_free.get(req_id)
+        if reasons is None:
+            return False
+        reasons.discard(reason)
+        if not reasons:
+            del self.delayed_free[req_id]
+            trace.record("delayed_free_done", req_id=req_id, reason=reason,
+                         block_ids=self.kv_cache_manager.get_block_ids(req_id)[0])
+            self._free_blocks(self.requests[req_id])
+        return True
 
     def _update_from_kv_xfer_finished(self, kv_out: Any) -> None:
-        """vLLM's ``_update_from_kv_xfer_finished``: the connector sees the worker's output; a
-        finished load or send (asynchronous connectors only) is taken up in delayed_free.py."""
+        """vLLM's ``_update_from_kv_xfer_finished``: the connector sees the worker's output; then
+        its finished transfers (asynchronous connectors only): a load wakes its request up in the
+        next ``schedule()`` (``_update_waiting_for_remote_kv``); a finished request's held blocks
+        are freed once its last transfer is done (``finished_sending`` on the producer,
+        ``finished_recving`` after an abort)."""
         self.connector.update_connector_output(kv_out)
-        if kv_out.finished_recving or kv_out.finished_sending:
-            from minivllm.core.sched.delayed_free import update_from_kv_xfer_finished
-            update_from_kv_xfer_finished(self, kv_out)
+        for req_id in (kv_out.finished_recving or ()):
+            if self._release_delayed_free(req_id, "recving"):
+                continue
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished():
+                self.finished_recving_kv_req_ids.add(req_id)
+        for req_id in (kv_out.finished_sending or ()):
+            self._release_delayed_free(req_id, "sending")

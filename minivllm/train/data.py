@@ -23,8 +23,8 @@ from importlib import resources
 import torch
 
 from minivllm.model_executor.model_loader import resolve_model_path
+from minivllm.model_executor.models.llama import valid_eagle3_aux_layers
 from minivllm.utils import cache_dir
-from minivllm.model_executor.models.eagle3_taps import valid_eagle3_aux_layers
 
 DATA_VERSION = 2
 HELD_OUT_EVERY = 10

@@ -18,9 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minivllm.model_executor.models.eagle3_taps import (default_eagle3_aux_layers,
-                                                         valid_eagle3_aux_layers)
-from minivllm.model_executor.models.llama import LlamaForCausalLM
+from minivllm.model_executor.models.llama import (LlamaForCausalLM, default_eagle3_aux_layers,
+                                                   valid_eagle3_aux_layers)
 
 
 def dense_attention(attn_module, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,9 @@ from that same run (``StateRecorder``): the numbers the engine computes. A fixed
 
 Cache: ``$MINIVLLM_CACHE_DIR/train/<model>-<hash>.pt`` (default ``~/.cache/minivllm``), the hash
 covering the checkpoint's config, the prompt texts, ``max_tokens`` and the data format version.
+
+No vLLM file mirrors it (vLLM serves heads trained elsewhere) and no article step uses it: it is the
+data of ``python -m minivllm.train``.
 """
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ What comes back mirrors vLLM:
 - ``aux``: EAGLE-3's auxiliary states, the un-normalised residual stream *entering* layers
   ``default_eagle3_aux_layers(L)`` = (2, L//2, L-3), concatenated (``[B, T, 3H]``), as vLLM's
   ``LlamaModel.forward`` records ``hidden_states + residual`` before running those layers.
+
+No vLLM file mirrors it and no article step uses it: ``python -m minivllm.train`` trains on it.
 """
 from __future__ import annotations
 

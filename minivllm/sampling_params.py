@@ -173,7 +173,8 @@ class SamplingParams:
     @cached_property
     def needs_processor_fields(self) -> bool:
         """Whether ``SamplingMetadata`` needs this request's penalties, ``min_p``, logit bias,
-        allowed ids, bad words, ``min_tokens`` or logprobs (sample/processor_fields.py)."""
+        allowed ids, bad words, ``min_tokens`` or logprobs
+        (``SamplingMetadata._fill_logits_processor_fields``)."""
         return not (self.no_penalties and self.min_p <= _SAMPLING_EPS and not self.logit_bias
                     and self.allowed_token_ids is None and not self._bad_words_token_ids
                     and self.logprobs is None and self.min_tokens == 0)

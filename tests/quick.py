@@ -29,6 +29,7 @@ QUICK: dict[str, "tuple[str, ...] | None"] = {
     "test_model.py": ("test_prefill_logits_equal_hf", "test_tied_lm_head_shares_embeddings",
                       "test_chunked_prefill_then_decode_equal_hf",
                       "test_rotary_equals_textbook_form_and_reuses_rows_within_one_forward"),
+    "test_layernorm.py": ALL,
     "test_bad_inputs.py": ALL,
     "test_gc_heap.py": ALL,
     # attention and linear

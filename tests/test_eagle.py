@@ -225,6 +225,21 @@ def test_loading_vllm_weight_names(target, heads, tmp_path):
                        load_tensors(own)["embed_tokens.weight"])
 
 
+def test_full_vocabulary_eagle3_head_without_lm_head_shares_the_targets(target, tmp_path):
+    """vLLM's EagleProposer.load_model: an EAGLE-3 head over the full vocabulary that brings no
+    lm_head (and no d2t) uses the target's; greedy output is the target's own."""
+    from safetensors.torch import save_file
+    head = make_eagle_head(tmp_path / "e3", target, "eagle3", seed=4)
+    tensors = {k: v for k, v in load_tensors(head).items()
+               if k not in ("lm_head.weight", "d2t", "t2d")}
+    save_file(tensors, os.path.join(head, "model.safetensors"), metadata={"format": "pt"})
+    llm = tiny(target, spec("eagle3", head, 2))
+    runner = llm.llm_engine.engine_core.worker.model_runner
+    assert runner.drafter.model.lm_head is runner.model.lm_head
+    assert runner.drafter.model.model.embed_tokens is runner.model.model.embed_tokens
+    assert run(llm, PROMPTS[:2], greedy(8)) == plain(target, PROMPTS[:2], 8)
+
+
 def test_bad_heads_raise_before_any_work(target, heads, tmp_path, monkeypatch):
     from safetensors.torch import save_file
     cases = []

@@ -1,9 +1,10 @@
 """A step-at-a-time engine with a tokenizer in front, mirroring vllm/v1/engine/llm_engine.py.
 
 ``add_request()`` / ``step()`` / ``has_unfinished_requests()`` let a notebook or a debugger drive the
-engine one step at a time; ``LLM.generate()`` is a loop over exactly these calls.
-Beside it, read only when needed: parallel_sampling.py (``n > 1``), logprobs.py (a request asking
-for them).
+engine one step at a time; ``LLM.generate()`` is a loop over exactly these calls. Every article step
+starts from ``step()`` (spec decode's verify step, a P/D consumer's request). A request with
+``n > 1`` is fanned out into child requests here and their outputs folded back into the parent's
+(vLLM's ``ParentRequest``, parallel_sampling.py).
 """
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from typing import Any, Optional, TYPE_CHECKING, Union
 
 from minivllm.config import VllmConfig
 from minivllm.engine.core import EngineCore
+from minivllm.engine.parallel_sampling import ParentRequest
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
 
-if TYPE_CHECKING:   # loaded when a request asks for logprobs or n > 1
+if TYPE_CHECKING:
     from minivllm.engine.logprobs import LogprobsProcessor
-    from minivllm.engine.parallel_sampling import ParentRequest
 
 PromptType = Union[str, dict]
 
@@ -93,8 +94,7 @@ class LLMEngine:
         ``RequestOutput.kv_transfer_params``); vLLM carries it in
         ``SamplingParams.extra_args["kv_transfer_params"]``, and so does this (either way works)."""
         if params is not None and params.n > 1:
-            from minivllm.engine.parallel_sampling import add_parent_request
-            return add_parent_request(self, request_id, prompt, params, kv_transfer_params)
+            return self._add_parent_request(request_id, prompt, params, kv_transfer_params)
         # A copy per request: the engine fills in per-request stop ids and max_tokens.
         params = SamplingParams() if params is None else copy.copy(params)
         if kv_transfer_params is not None:
@@ -117,6 +117,20 @@ class LLMEngine:
             self._logprobs[request_id] = LogprobsProcessor(params, self.tokenizer, token_ids)
         self.engine_core.add_request(request)
         return request
+
+    def _add_parent_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                            kv_transfer_params: Optional[dict]) -> Request:
+        """``add_request`` with ``n > 1`` (vLLM's fan-out in ``LLMEngine.add_request``): n child
+        requests, each remembered with its ``ParentRequest``; returns the first."""
+        self.validate_prompt(prompt)
+        self.verify_sampling_params(params)
+        parent = ParentRequest(request_id, params)
+        children = []
+        for i in range(parent.n):
+            child_id, child_params = parent.get_child_info(i)
+            self._parents[child_id] = parent
+            children.append(self.add_request(child_id, prompt, child_params, kv_transfer_params))
+        return children[0]
 
     def verify_sampling_params(self, params: SamplingParams) -> None:
         """The checks of ``params`` that need the model (vLLM's ``InputProcessor``): token ids
@@ -156,13 +170,22 @@ class LLMEngine:
                 self._logprobs[req_id].update_from_output(request, new_token_ids)
             out = self.make_output(request)
             if req_id in self._parents:   # n > 1: the parent's output, all its children in it
-                from minivllm.engine.parallel_sampling import parent_output
-                out = parent_output(self, request, out)
+                out = self._parent_output(request, out)
             results[out.request_id] = out
             if request.is_finished():
                 self._requests.pop(req_id, None)
                 self._logprobs.pop(req_id, None)
         return list(results.values())
+
+    def _parent_output(self, request: Request, child_output: RequestOutput) -> RequestOutput:
+        """A child that progressed -> its parent's output (every child's latest completion);
+        once all children have finished, the engine forgets the parent."""
+        parent = self._parents[request.request_id]
+        out = parent.make_request_output(request.request_id, child_output)
+        if request.is_finished() and out.finished:
+            for child_id in parent.child_ids:
+                self._parents.pop(child_id, None)
+        return out
 
     def make_output(self, request: Request) -> RequestOutput:
         token_ids = list(request.output_token_ids)

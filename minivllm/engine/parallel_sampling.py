@@ -6,11 +6,11 @@ and, for a seeded request, ``seed + i`` (vLLM's ``get_child_info``), so the n sa
 stay reproducible. They share the prompt: once the first child's prompt blocks are computed and
 hashed, the prefix cache hands them to the others. The caller sees one ``RequestOutput`` under the
 parent's id, with one ``CompletionOutput`` per child (``index`` i), finished when all are.
+No article step of its own: each child goes through the article's steps as a request of its own.
 """
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
 
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -53,27 +53,3 @@ class ParentRequest:
                                  o.num_cached_tokens for o in self._latest.values()),
                              prompt_logprobs=first.prompt_logprobs)
 
-
-def add_parent_request(engine: Any, request_id: str, prompt: Any, params: SamplingParams,
-                       kv_transfer_params: Optional[dict]) -> Any:
-    """``LLMEngine.add_request`` with ``n > 1``: n child requests; returns the first."""
-    engine.validate_prompt(prompt)
-    engine.verify_sampling_params(params)
-    parent = ParentRequest(request_id, params)
-    children = []
-    for i in range(parent.n):
-        child_id, child_params = parent.get_child_info(i)
-        engine._parents[child_id] = parent
-        children.append(engine.add_request(child_id, prompt, child_params, kv_transfer_params))
-    return children[0]
-
-
-def parent_output(engine: Any, request: Any, child_output: RequestOutput) -> RequestOutput:
-    """``LLMEngine.step`` for a child that progressed: its parent's output (every child's latest
-    completion); once all children have finished, the engine forgets the parent."""
-    parent = engine._parents[request.request_id]
-    out = parent.make_request_output(request.request_id, child_output)
-    if request.is_finished() and out.finished:
-        for child_id in parent.child_ids:
-            engine._parents.pop(child_id, None)
-    return out

@@ -8,8 +8,9 @@ One row per request in the batch (``[batch]``), in the order of the logits rows 
   one generator per request when the request arrives and keeps it, so each step continues the same
   random stream; that is what makes a seeded request reproducible whatever else is in the batch.
 
-The fields of vLLM 0.32's metadata for the logits processors (``sample/ops/``), filled in
-``processor_fields.py``; each is empty or ``None`` when no row uses it, so a plain batch pays
+The fields of vLLM 0.32's metadata for the logits processors (``sample/ops/``), filled by
+``_fill_logits_processor_fields`` only when a row's ``SamplingParams`` asks for one
+(``needs_processor_fields``); each is empty or ``None`` when no row uses it, so a plain batch pays
 nothing:
 - ``min_tokens``: row index -> ``(min_tokens, num_output_tokens, stop_ids)`` for rows whose stop ids
   are still masked (``logits_processor.apply_min_tokens``; vLLM's ``MinTokensLogitsProcessor``).
@@ -21,6 +22,9 @@ nothing:
 - ``spec_token_ids``: per row the drafts being verified this step (the rejection sampler counts
   them as outputs at the later draft positions).
 - ``max_num_logprobs``: the largest ``logprobs`` of the batch (-1: whole vocabulary), or ``None``.
+
+Article step: the sampling that ends every step, and spec step 7 (the rejection sampler reads it
+too).
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import _SAMPLING_EPS, SamplingParams
 
 
 @dataclass
@@ -112,6 +116,35 @@ class SamplingMetadata:
                  output_token_ids=list(output_token_ids),
                  spec_token_ids=None if spec_token_ids is None else list(spec_token_ids))
         if any(p.needs_processor_fields for p in params):   # vLLM 0.32's options (sample/ops/)
-            from minivllm.sample.processor_fields import fill_logits_processor_fields
-            fill_logits_processor_fields(md, params, prompt_token_ids, num_output_tokens, device)
+            md._fill_logits_processor_fields(params, prompt_token_ids, num_output_tokens, device)
         return md
+
+    def _fill_logits_processor_fields(self, params: Sequence[SamplingParams],
+                                      prompt_token_ids: Optional[Sequence[list[int]]],
+                                      num_output_tokens: Optional[Sequence[int]],
+                                      device: Union[str, torch.device]) -> None:
+        """The penalties, min_p, logit bias, allowed ids, bad words, min_tokens and logprobs
+        fields, after ``output_token_ids`` is filled; the arguments as in ``from_params``."""
+        if not all(p.no_penalties for p in params):
+            t = lambda name: torch.tensor([getattr(p, name) for p in params],  # noqa: E731
+                                          dtype=torch.float32, device=device)
+            self.presence_penalties = t("presence_penalty")
+            self.frequency_penalties = t("frequency_penalty")
+            self.repetition_penalties = t("repetition_penalty")
+            self.prompt_token_ids = (list(prompt_token_ids) if prompt_token_ids is not None
+                                     else [[] for _ in params])
+        if any(p.min_p > _SAMPLING_EPS for p in params):
+            self.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        self.logit_bias = {i: p.logit_bias for i, p in enumerate(params) if p.logit_bias}
+        self.allowed_token_ids = {i: list(p.allowed_token_ids) for i, p in enumerate(params)
+                                  if p.allowed_token_ids is not None}
+        self.bad_words_token_ids = {i: p.bad_words_token_ids for i, p in enumerate(params)
+                                    if p.bad_words_token_ids}
+        for i, p in enumerate(params):   # the rows whose stop ids are still masked
+            done = (num_output_tokens[i] if num_output_tokens is not None
+                    else len(self.output_token_ids[i]))
+            if done < p.min_tokens and p.all_stop_token_ids:
+                self.min_tokens[i] = (p.min_tokens, done, sorted(p.all_stop_token_ids))
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        if asked:
+            self.max_num_logprobs = -1 if -1 in asked else max(asked)

@@ -1,6 +1,7 @@
 """Draft-model speculative decoding: a smaller LM proposes k tokens greedily. Mirrors
 vllm/v1/spec_decode/draft_model.py ``DraftModelProposer`` (added to V1 after the article, which says
 V1 has no draft-model method) and the k-pass loop of eagle.py's ``EagleProposer.propose``.
+Article step: spec step 2 (propose the next k drafts), and "Setup / load model" for its weights.
 
 Two ways to get a draft model (``speculative_config``, method ``"draft_model"``):
 - ``model``: a separate, smaller Llama-family checkpoint with the target's vocabulary;
@@ -236,7 +237,3 @@ class DraftModelProposer(DraftKVCacheMixin):
         logits = self.model.compute_logits(hidden[torch.from_numpy(sample_idx).to(dev)])
         ids, probs = sample_draft_tokens(logits, batch, sample_rows, self.probabilistic)
         return ids.tolist(), probs
-
-    def get_state(self, req_id: str) -> Optional[_RequestDraftState]:
-        """The draft-KV bookkeeping of one request (tests and notebooks read it)."""
-        return self.states.get(req_id)

@@ -1,11 +1,24 @@
-"""Finding, checking and loading learned drafter heads (EAGLE, EAGLE-3, Medusa) in vLLM's format.
+"""Finding, checking and loading learned drafter heads (EAGLE, EAGLE-3, Medusa) in vLLM's format:
+the loading half of ``EagleProposer.load_model`` / ``MedusaProposer.load_model``
+(vllm/v1/spec_decode/eagle.py, medusa.py) and the ``load_weights`` of vLLM's head models. Article
+step: spec "Setup / load model" (load the draft weights).
 
 A head directory holds ``config.json`` + ``model.safetensors`` with the tensor names vLLM loads
-(DESIGN 5.1). ``validate_head`` runs at ``LLM(...)`` before any weights are read: it builds the head
-on the meta device (no memory) and compares every tensor name and shape in the checkpoint header
-with it, so a head that does not fit the target is a ``ValueError`` naming the field or tensor.
-``load_head`` then builds it for real and shares the target's ``embed_tokens`` / ``lm_head``, as
-vLLM's ``EagleProposer.load_model`` and ``MedusaProposer.load_model`` do.
+(``checkpoint_to_param_name`` of each head class). EAGLE: a ``LlamaConfig`` with
+``num_hidden_layers: 1``; ``fc.weight`` [H, 2H] over ``cat(embedding, hidden)``, one decoder layer
+(``layers.0.*``, no input norm), optional ``embed_tokens.weight``; the target's ``lm_head``.
+EAGLE-3 adds ``layers.0.{input_layernorm,hidden_norm}.weight`` (or ``midlayer.*``),
+``norm.weight``, ``lm_head.weight`` [draft_vocab, H], ``d2t`` and ``fc.weight`` [H, 3H]. Medusa:
+``{"model_type": "medusa", "hidden_size", "vocab_size", "num_heads", "num_hidden_layers", ...}``
+(FasterDecoding's ``medusa_num_*`` names too); ``blocks.{h}.layers.{l}.weight`` (optional
+``.bias``), ``lm_heads.{h}.weight`` (absent: the target's ``lm_head``).
+
+``validate_head`` runs at ``LLM(...)`` before any weights are read: it builds the head on the meta
+device (no memory) and compares every tensor name and shape in the checkpoint header with it, so a
+head that does not fit the target (hidden size, vocabulary, a missing or unexpected tensor, fewer
+Medusa heads than k, a missing path) is a ``ValueError`` naming the field or tensor. ``load_head``
+then builds it for real and the head shares the target's ``embed_tokens`` / ``lm_head``
+(``share_target_modules``), as vLLM's ``EagleProposer.load_model`` does.
 
 Without ``speculative_config["model"]``, on the default model, the heads shipped in
 ``minivllm/spec_decode/heads/smollm2-135m-instruct/{method}/`` are used.
@@ -14,15 +27,14 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
 from minivllm.config import SpeculativeConfig
-from minivllm.model_executor.models.eagle3_taps import (default_eagle3_aux_layers,
-                                                         valid_eagle3_aux_layers)
-from minivllm.model_executor.models.llama import checkpoint_parameters
+from minivllm.model_executor.models.llama import (checkpoint_parameters, default_eagle3_aux_layers,
+                                                   valid_eagle3_aux_layers)
 
 HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
 DEFAULT_MODEL_HEADS = "smollm2-135m-instruct"
@@ -118,7 +130,11 @@ def build_head(method: str, config: dict[str, Any], target_hf_config: Any, k: in
         if hf.num_hidden_layers != 1:
             raise ValueError(f"speculative_config.model={path!r}: EAGLE-3 heads have "
                              f"num_hidden_layers=1, got {hf.num_hidden_layers}.")
-        model = Eagle3LlamaForCausalLM(hf, start, attention_backend, target_hf_config.hidden_size)
+        # A full-vocabulary head may leave its lm_head out and share the target's.
+        full_vocab = config.get("draft_vocab_size") in (None, config.get("vocab_size"))
+        own_lm_head = "lm_head.weight" in shapes or "d2t" in shapes or not full_vocab
+        model = Eagle3LlamaForCausalLM(hf, start, attention_backend, target_hf_config.hidden_size,
+                                       own_lm_head=own_lm_head)
     if "embed_tokens.weight" in shapes:
         model.model.embed_tokens = nn.Embedding(hf.vocab_size, hf.hidden_size)
     return model
@@ -145,9 +161,6 @@ def expected_tensors(method: str, model: nn.Module, config: dict[str, Any],
     missing = [_param_to_ckpt(method, p) for p in params if p not in read]
     if method == "eagle3":
         full_vocab = config.get("draft_vocab_size") in (None, config.get("vocab_size"))
-        if "lm_head.weight" in missing and full_vocab and "d2t" not in shapes:
-            missing.remove("lm_head.weight")   # a full-vocabulary head may share the target's
-            model.lm_head = None
         if not full_vocab and "d2t" not in shapes:
             missing.append("d2t")
     if method == "medusa" and model.truncated_vocab_size < model.orig_vocab_size \
@@ -214,20 +227,6 @@ def load_head(path: str, method: str, target: nn.Module, k: int, dtype: torch.dt
                     model.token_map = tensor.to(device=device, dtype=torch.int64)
             elif param is not None:
                 params[param].copy_(tensor)
-    _share_target_modules(model, method, target)
+    model.share_target_modules(target)
     return model.eval().requires_grad_(False)
 
-
-def _share_target_modules(model: nn.Module, method: str, target: nn.Module) -> None:
-    """vLLM: the draft uses the target's embed_tokens when it has none (or an identical copy), and
-    the target's lm_head when it has none (EAGLE-1, a full-vocabulary EAGLE-3, Medusa)."""
-    if method == "medusa":
-        model.target_lm_head = target.lm_head
-        return
-    own: Optional[nn.Embedding] = model.model.embed_tokens
-    target_embed = target.model.embed_tokens
-    if own is None or (own.weight.shape == target_embed.weight.shape
-                       and torch.equal(own.weight, target_embed.weight.to(own.weight.dtype))):
-        model.model.embed_tokens = target_embed
-    if method == "eagle" or model.lm_head is None:
-        model.lm_head = target.lm_head

@@ -9,6 +9,9 @@ from that same run (``StateRecorder``): the numbers the engine computes. A fixed
 
 Cache: ``$MINIVLLM_CACHE_DIR/train/<model>-<hash>.pt`` (default ``~/.cache/minivllm``), the hash
 covering the checkpoint's config, the prompt texts, ``max_tokens`` and the data format version.
+
+No vLLM file mirrors it (vLLM serves heads trained elsewhere) and no article step uses it: it is the
+data of ``python -m minivllm.train``.
 """
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ from importlib import resources
 import torch
 
 from minivllm.model_executor.model_loader import resolve_model_path
+from minivllm.model_executor.models.llama import valid_eagle3_aux_layers
 from minivllm.utils import cache_dir
-from minivllm.model_executor.models.eagle3_taps import valid_eagle3_aux_layers
 
 DATA_VERSION = 2
 HELD_OUT_EVERY = 10

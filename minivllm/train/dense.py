@@ -12,15 +12,16 @@ What comes back mirrors vLLM:
 - ``aux``: EAGLE-3's auxiliary states, the un-normalised residual stream *entering* layers
   ``default_eagle3_aux_layers(L)`` = (2, L//2, L-3), concatenated (``[B, T, 3H]``), as vLLM's
   ``LlamaModel.forward`` records ``hidden_states + residual`` before running those layers.
+
+No vLLM file mirrors it and no article step uses it: ``python -m minivllm.train`` trains on it.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from minivllm.model_executor.models.eagle3_taps import (default_eagle3_aux_layers,
-                                                         valid_eagle3_aux_layers)
-from minivllm.model_executor.models.llama import LlamaForCausalLM
+from minivllm.model_executor.models.llama import (LlamaForCausalLM, default_eagle3_aux_layers,
+                                                   valid_eagle3_aux_layers)
 
 
 def dense_attention(attn_module, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

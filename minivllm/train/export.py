@@ -1,6 +1,8 @@
-"""Writing and reading a head in vLLM's checkpoint format (DESIGN 5.1): ``config.json`` +
-``model.safetensors`` (float16 by default) + ``train_info.json`` (what was trained, how long, the
-held-out acceptance).
+"""Writing and reading a head in vLLM's checkpoint format, the directory ``speculative_config=
+{"method": ..., "model": DIR}`` loads (spec_decode/heads.py checks it against the target):
+``config.json`` + ``model.safetensors`` (float16 by default) + ``train_info.json`` (what was
+trained, how long, the held-out acceptance). Not an article step: ``python -m minivllm.train``
+writes the heads the EAGLE, EAGLE-3 and Medusa drafters load.
 
 Tensor names are the modules' own parameter names, which were chosen to be vLLM's:
 - EAGLE (``llama_eagle.py``): ``fc.weight`` [H, 2H], ``layers.0.self_attn.{q,k,v,o}_proj.weight``,
@@ -53,7 +55,7 @@ def head_config(method: str, head, target_config: Any, dtype: str) -> dict:
         "torch_dtype": dtype,
     }
     if method == "eagle3":
-        from minivllm.model_executor.models.eagle3_taps import default_eagle3_aux_layers
+        from minivllm.model_executor.models.llama import default_eagle3_aux_layers
         config.update(draft_vocab_size=c.draft_vocab_size, target_hidden_size=c.hidden_size,
                       eagle_aux_hidden_state_layer_ids=list(
                           default_eagle3_aux_layers(target_config.num_hidden_layers)))

@@ -10,7 +10,9 @@ One engine step on the worker, in the article's order:
   step goes on in ``sample_tokens`` (a step with nothing scheduled returns its output at once).
 - ``sample_tokens()``: the batch's ``SamplingMetadata`` (``_prepare_sampling``), then sampling, or
   the rejection sampler when drafts were scheduled (spec step 7: ``_rejection_sample``) →
-  ``_bookkeeping_sync`` → ``propose_draft_token_ids`` (spec step 2); logprobs: worker/logprobs.py.
+  ``_bookkeeping_sync`` → ``propose_draft_token_ids`` (spec step 2). When a request asks for
+  logprobs, ``_logprobs_outputs`` gathers them from the step's rows (vLLM's
+  ``LogprobsTensors.tolists`` and ``_get_prompt_logprobs_dict``).
 
 The KV connector's half (``kv_connector_model_runner_mixin.py``) is mixed in only when the engine
 has a connector (``worker.get_model_runner_cls``); without one, the methods below put nothing
@@ -52,6 +54,10 @@ if TYPE_CHECKING:   # loaded with spec decode only
 
 __all__ = ["ExecuteModelState", "ModelRunner", "ModelRunnerOutput"]
 
+# One emitted (or prompt) token's logprobs: the ids and logprobs of the token first, then the top
+# k, and the token's rank (vLLM's ``LogprobsLists`` row).
+LogprobsTriple = tuple[list[int], list[float], int]
+
 
 def _int32(values: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=np.int32)).to(device)
@@ -75,9 +81,11 @@ class ModelRunner:
         self.execute_model_state: Optional[ExecuteModelState] = None
         self._draft_token_ids: Optional[dict[str, list[int]]] = None
         # This step's logprob rows ``[S, vocab]`` and where each request's tokens start, when a
-        # request asked for logprobs (the numbers are gathered in worker/logprobs.py).
+        # request asked for logprobs (``_logprobs_outputs`` gathers the numbers).
         self._logprobs_rows: Optional[tuple[torch.Tensor, list[int]]] = None
-        self._prompt_logprobs_progress: Optional[dict[str, Any]] = None   # the same, per prompt
+        # req_id -> its prompt logprobs so far (a list, gathered over the prefill chunks), or
+        # "done" once given (vLLM's ``num_prompt_logprobs`` / ``in_progress_prompt_logprobs_cpu``).
+        self._prompt_logprobs_progress: Optional[dict[str, Any]] = None
 
         # Spec decode, article "Setup / init device": create the drafter and the rejection sampler.
         self.speculative_config = vllm_config.speculative_config
@@ -318,13 +326,67 @@ class ModelRunner:
     def _logprobs_outputs(self, sampled_token_ids: list[list[int]],
                           state: ExecuteModelState) -> dict[str, Any]:
         """``ModelRunnerOutput``'s ``logprobs`` and ``prompt_logprobs_dict`` when a request asked
-        for either (worker/logprobs.py); nothing otherwise."""
+        for either; nothing otherwise. The step's logprob rows (``_logprobs_rows``) are used once."""
         params = self.input_batch.sampling_params
         if (self._logprobs_rows is None and not self._prompt_logprobs_progress
                 and all(params[r].prompt_logprobs is None for r in self.input_batch.req_ids)):
             return {}
-        from minivllm.worker.logprobs import logprobs_outputs
-        return logprobs_outputs(self, sampled_token_ids, state)
+        kept, self._logprobs_rows = self._logprobs_rows, None
+        return {"logprobs": None if kept is None else self._take_logprobs(*kept, sampled_token_ids),
+                "prompt_logprobs_dict": self._get_prompt_logprobs_dict(state)}
+
+    def _take_logprobs(self, rows: torch.Tensor, starts: list[int],
+                       sampled_token_ids: list[list[int]]) -> list[Optional[list[LogprobsTriple]]]:
+        """vLLM's ``LogprobsTensors.tolists``: per request row ``None``, or per emitted token its
+        ``(ids, logprobs, rank)``; request i's tokens read ``rows`` ``[S, vocab]`` from
+        ``starts[i]`` on."""
+        from minivllm.sample.ops.logprobs import gather_logprobs
+        out: list[Optional[list[LogprobsTriple]]] = []
+        for i, req_id in enumerate(self.input_batch.req_ids):
+            k, toks = self.input_batch.sampling_params[req_id].logprobs, sampled_token_ids[i]
+            if k is None or not toks:
+                out.append(None)
+                continue
+            idx = torch.arange(starts[i], starts[i] + len(toks), device=rows.device)
+            token_ids = torch.tensor(toks, dtype=torch.long, device=rows.device)
+            out.append(gather_logprobs(rows[idx], k, token_ids).tolists())
+        return out
+
+    def _get_prompt_logprobs_dict(self, state: ExecuteModelState
+                                  ) -> dict[str, list[LogprobsTriple]]:
+        """vLLM's ``_get_prompt_logprobs_dict``: for requests with ``prompt_logprobs`` whose prompt
+        was (partly) computed this step, the logprobs of prompt token p + 1 at each position p,
+        the target's ``log_softmax`` gathered over the prefill chunks and given once the prompt
+        is done."""
+        from minivllm.sample.ops.logprobs import gather_logprobs
+        if self._prompt_logprobs_progress is None:
+            self._prompt_logprobs_progress = {}
+        progress = self._prompt_logprobs_progress
+        for req_id in [r for r in progress if r not in self.requests]:
+            del progress[req_id]
+        done: dict[str, list[LogprobsTriple]] = {}
+        qsl = state.attn_metadata.query_start_loc.tolist()
+        positions = state.positions
+        for i, req_id in enumerate(self.input_batch.req_ids):
+            req = self.requests[req_id]
+            k, num_prompt = req.sampling_params.prompt_logprobs, len(req.prompt_token_ids)
+            if k is None or progress.get(req_id) == "done":
+                continue
+            first = int(positions[qsl[i]])
+            if first == 0:
+                progress[req_id] = []
+            if not isinstance(progress.get(req_id), list):
+                continue   # the prompt's start came from a cache: nothing to compute it from
+            rows = [qsl[i] + j for j in range(qsl[i + 1] - qsl[i]) if first + j + 1 < num_prompt]
+            if rows:
+                logits = self.model.compute_logits(state.hidden_states[rows])
+                targets = torch.tensor([req.prompt_token_ids[first + r - qsl[i] + 1] for r in rows],
+                                       device=logits.device)
+                progress[req_id] += gather_logprobs(logits.log_softmax(-1, dtype=torch.float32),
+                                                    k, targets).tolists()
+            if first + qsl[i + 1] - qsl[i] >= num_prompt:
+                done[req_id], progress[req_id] = progress[req_id], "done"
+        return done
 
     def _prepare_sampling(self, seq_lens: np.ndarray) -> tuple[SamplingMetadata, np.ndarray]:
         """-> the batch's ``SamplingMetadata`` and ``partial`` ``[n]``: rows that are a partial
@@ -364,14 +426,29 @@ class ModelRunner:
                                      bonus.sampled_token_ids.view(-1, 1).to(torch.int32),
                                      sampling_metadata)
         if bonus.logprobs is not None:   # a request asked for logprobs
-            from minivllm.worker.logprobs import spec_logprobs_rows
-            self._logprobs_rows = spec_logprobs_rows(self, spec_md, logits, bonus.logprobs)
+            self._logprobs_rows = self._spec_logprobs_rows(spec_md, logits, bonus.logprobs)
         if trace.active and self.rejection_sampler.last_record is not None:
             for i, rec in enumerate(self.rejection_sampler.last_record):
                 if spec_md.num_draft_tokens[i]:
                     trace.record("spec_verify", req_id=self.input_batch.req_ids[i], positions=rec)
         return self.rejection_sampler.parse_output(
             out, logits.shape[-1], discard_req_indices=partial.nonzero()[0].tolist())
+
+    def _spec_logprobs_rows(self, spec_md: SpecDecodeMetadata, logits: torch.Tensor,
+                            bonus_rows: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The logprob rows of a verification step ``[S, vocab]``, in the engine's
+        ``logprobs_mode``: the target's at each draft (the emitted token there is the accepted
+        draft or the recovered one), then the bonus row; and where each request's tokens start
+        (token j of request i is row ``cu_num_sampled[i - 1] + j``)."""
+        from minivllm.sample.ops.logprobs import logprobs_source
+        mode = self.sampler.logprobs_mode
+        target = (self.rejection_sampler.last_target_logits if mode.startswith("processed")
+                  else logits[spec_md.target_logits_indices])
+        rows = torch.empty((logits.shape[0], logits.shape[-1]), dtype=torch.float32,
+                           device=logits.device)
+        rows[spec_md.target_logits_indices] = logprobs_source(target, mode)
+        rows[spec_md.bonus_logits_indices] = bonus_rows
+        return rows, [0, *spec_md.cu_num_sampled_tokens.tolist()][:-1]
 
     def _scheduled_draft_probs(self, spec_md: SpecDecodeMetadata) -> Optional[torch.Tensor]:
         """``draft_probs`` for the rejection sampler: ``None``, the drafts are one-hot (n-gram and

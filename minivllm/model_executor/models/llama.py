@@ -13,6 +13,11 @@ As in vLLM, q/k/v are one ``qkv_proj`` and gate/up one ``gate_up_proj`` (one mat
 instead of three and two); the checkpoint keeps Hugging Face's separate tensors, which
 ``load_weights`` stacks through ``stacked_params_mapping``. One device, so the "parallel" linears
 are not split across ranks.
+
+Article step: the forward of every step (spec step 1, the target over its drafts; the P/D
+consumer's forward after its KV was loaded). EAGLE-3 taps residual streams of the target
+(vLLM's ``SupportsEagle3``: ``set_aux_hidden_state_layers``); forward hooks collect them, so
+``LlamaModel.forward`` stays the plain loop.
 """
 from __future__ import annotations
 
@@ -99,6 +104,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, f"model.layers.{i}", attention_backend) for i in range(num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # EAGLE-3's taps (vLLM's aux_hidden_state_layers) and the hooks that collect them.
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self._aux_hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """-> final-normed hidden states ``[num_tokens, H]``; once EAGLE-3 tapped layers
@@ -110,6 +118,41 @@ class LlamaModel(nn.Module):
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        """EAGLE-3: from now on ``forward`` returns ``(hidden_states, [aux [num_tokens, H] per
+        tapped layer, in layer order])`` (vLLM's layout), each aux the un-normalised residual
+        stream entering a layer of ``layers``; plain hidden states when no layer is tapped. vLLM
+        collects them inside its forward loop; here forward hooks do, so the loop stays plain. A
+        second call replaces the taps."""
+        for handle in self._aux_hooks:
+            handle.remove()
+        self.aux_hidden_state_layers = tuple(layers)
+        captured: list[torch.Tensor] = []
+
+        def before_layer(layer: nn.Module, args: tuple) -> None:
+            _, hidden_states, residual = args   # a decoder layer's (positions, hidden, residual)
+            captured.append(hidden_states if residual is None else hidden_states + residual)
+
+        def after_model(module: nn.Module, args: tuple, hidden_states: torch.Tensor):
+            aux = captured.copy()
+            captured.clear()
+            return (hidden_states, aux) if aux else None   # None: the output as it is
+
+        self._aux_hooks = [self.register_forward_pre_hook(lambda module, args: captured.clear()),
+                           self.register_forward_hook(after_model)]
+        self._aux_hooks += [layer.register_forward_pre_hook(before_layer)
+                            for idx, layer in enumerate(self.layers) if idx in layers]
+
+
+def default_eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """vLLM's default EAGLE-3 taps: the residual stream entering layers 2, L // 2 and L - 3."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def valid_eagle3_aux_layers(layers: tuple[int, ...], num_layers: int) -> bool:
+    """What an EAGLE-3 head can tap: three distinct layers in ``[0, num_layers)``."""
+    return len(set(layers)) == 3 and all(0 <= i < num_layers for i in layers)
 
 
 # vLLM's stacked_params_mapping: (fused parameter, checkpoint name, shard id).
@@ -169,13 +212,11 @@ class LlamaForCausalLM(nn.Module):
 
     def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
         """EAGLE-3 (vLLM ``SupportsEagle3``): also return the residual stream entering ``layers``
-        (forward hooks, beside: eagle3_taps.py)."""
-        from minivllm.model_executor.models.eagle3_taps import tap_aux_hidden_states
-        tap_aux_hidden_states(self.model, layers)
+        (``LlamaModel.set_aux_hidden_state_layers``)."""
+        self.model.set_aux_hidden_state_layers(layers)
 
     def get_eagle3_aux_hidden_state_layers(self) -> tuple[int, ...]:
         """vLLM's default taps: the stream entering layers 2, L // 2 and L - 3."""
-        from minivllm.model_executor.models.eagle3_taps import default_eagle3_aux_layers
         return default_eagle3_aux_layers(self.config.num_hidden_layers)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

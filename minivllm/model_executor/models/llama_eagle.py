@@ -30,12 +30,19 @@ from minivllm.model_executor.linear import Linear
 from minivllm.model_executor.models.llama import LlamaDecoderLayer
 
 
+def can_share_embed_tokens(own: Optional[nn.Embedding], target: nn.Embedding) -> bool:
+    """Whether a head uses the target's ``embed_tokens``: it has none, or an identical copy
+    (vLLM's ``EagleProposer.load_model`` compares shape and values)."""
+    return own is None or (own.weight.shape == target.weight.shape
+                           and torch.equal(own.weight, target.weight.to(own.weight.dtype)))
+
+
 class EagleLlamaModel(nn.Module):
     def __init__(self, config: Any, start_layer_id: int, attention_backend: str,
                  fc_bias: bool = False) -> None:
         super().__init__()
         h = config.hidden_size
-        self.embed_tokens: Optional[nn.Embedding] = None   # the target's, set by the proposer
+        self.embed_tokens: Optional[nn.Embedding] = None   # the target's (share_target_modules)
         self.fc = Linear(2 * h, h, bias=fc_bias)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, f"model.layers.{start_layer_id + i}", attention_backend)
@@ -61,12 +68,19 @@ class EagleLlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = EagleLlamaModel(config, start_layer_id, attention_backend, fc_bias)
-        self.lm_head: Optional[nn.Module] = None   # the target's, set by the proposer
+        self.lm_head: Optional[nn.Module] = None   # the target's (share_target_modules)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``input_ids``, ``positions`` ``[n]``, ``hidden_states`` ``[n, H]`` -> two ``[n, H]``."""
         return self.model(input_ids, positions, hidden_states)
+
+    def share_target_modules(self, target: nn.Module) -> None:
+        """vLLM's ``EagleProposer.load_model``: the target's ``embed_tokens`` unless the head
+        brought a different one, and always the target's ``lm_head`` (EAGLE-1 has none)."""
+        if can_share_embed_tokens(self.model.embed_tokens, target.model.embed_tokens):
+            self.model.embed_tokens = target.model.embed_tokens
+        self.lm_head = target.lm_head
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, H]`` -> float32 ``[n, target vocab]``."""

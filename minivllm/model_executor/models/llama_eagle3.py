@@ -1,5 +1,6 @@
 """The EAGLE-3 draft model, mirroring vllm/model_executor/models/llama_eagle3.py
-(``Eagle3LlamaForCausalLM``).
+(``Eagle3LlamaForCausalLM``). Article step: spec step 2 (the drafter's passes), the article's
+"Speculative decoding / EAGLE" with EAGLE-3's inputs.
 
 Differences from EAGLE-1 (``llama_eagle.py``):
 - Its input features are not the target's last hidden state but three *un-normalised* residual
@@ -23,6 +24,7 @@ from torch import nn
 from minivllm.attention.layer import Attention
 from minivllm.model_executor.linear import Linear, QKVParallelLinear
 from minivllm.model_executor.models.llama import LlamaAttention, LlamaMLP, RMSNorm
+from minivllm.model_executor.models.llama_eagle import can_share_embed_tokens
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -69,16 +71,26 @@ class Eagle3LlamaModel(nn.Module):
 
 class Eagle3LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any, start_layer_id: int, attention_backend: str = "torch",
-                 target_hidden_size: Optional[int] = None) -> None:
+                 target_hidden_size: Optional[int] = None, own_lm_head: bool = True) -> None:
         super().__init__()
         self.config = config
         self.vocab_size = config.vocab_size
         self.draft_vocab_size = getattr(config, "draft_vocab_size", None) or config.vocab_size
         self.model = Eagle3LlamaModel(config, start_layer_id, attention_backend,
                                       target_hidden_size or config.hidden_size)
-        self.lm_head: nn.Module = Linear(config.hidden_size, self.draft_vocab_size, bias=False)
+        # None: a full-vocabulary head without one uses the target's (share_target_modules).
+        self.lm_head: Optional[nn.Module] = (Linear(config.hidden_size, self.draft_vocab_size,
+                                                    bias=False) if own_lm_head else None)
         # d2t: int64 offsets [draft_vocab]; None = identity (full vocabulary).
         self.draft_id_to_target_id: Optional[torch.Tensor] = None
+
+    def share_target_modules(self, target: nn.Module) -> None:
+        """vLLM's ``EagleProposer.load_model``: the target's ``embed_tokens`` unless the head
+        brought a different one, its ``lm_head`` when the head has none (full vocabulary)."""
+        if can_share_embed_tokens(self.model.embed_tokens, target.model.embed_tokens):
+            self.model.embed_tokens = target.model.embed_tokens
+        if self.lm_head is None:
+            self.lm_head = target.lm_head
 
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, 3H]`` (the target's aux states, concatenated) -> ``[n, H]``."""

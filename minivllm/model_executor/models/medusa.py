@@ -59,13 +59,18 @@ class Medusa(nn.Module):
         bias = bool(config.get("medusa_fc_bias", False))
         self.blocks = nn.ModuleList(ResidualBlock(h, config["num_hidden_layers"], bias)
                                     for _ in range(num_heads))
-        # None: every head uses the target's lm_head (set by the proposer).
+        # None: every head uses the target's lm_head (share_target_modules).
         self.lm_heads: Optional[nn.ModuleList] = None
         self.target_lm_head: Optional[nn.Module] = None
         if own_lm_heads:
             self.lm_heads = nn.ModuleList(Linear(h, self.truncated_vocab_size, bias=False)
                                           for _ in range(num_heads))
         self.token_map: Optional[torch.Tensor] = None   # [truncated] int64 target ids
+
+    def share_target_modules(self, target: nn.Module) -> None:
+        """vLLM's ``MedusaProposer.load_model``: the target's ``lm_head``, for heads without
+        their own ``lm_heads``."""
+        self.target_lm_head = target.lm_head
 
     def forward(self, hidden_states: torch.Tensor) -> list[torch.Tensor]:
         """``[n, H]`` (the target's final-normed states) -> one ``[n, H]`` per head."""

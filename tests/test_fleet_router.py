@@ -1,4 +1,4 @@
-"""The fleet's KV-aware routing without a cluster (disagg/kv_index.py, disagg/kv_pool.PoolView):
+"""The fleet's KV-aware routing without a cluster (disagg/fleet/kv_index.py, kv_pool.PoolView):
 the index on recorded event streams (an engine's own, and hand-made ones with lost, late and
 out-of-order events), its LRU bound, a replica cleared, Dynamo's score, the pick and its fallback,
 the P/D decision."""
@@ -11,8 +11,9 @@ import pytest
 
 pytest.importorskip("msgspec")
 
-from minivllm.disagg.kv_index import (Candidate, KVIndex, needs_remote_prefill,  # noqa: E402
-                                      pick, prompt_block_hashes, score)
+from minivllm.disagg.fleet.kv_index import (Candidate, KVIndex,  # noqa: E402
+                                            needs_remote_prefill, pick, prompt_block_hashes,
+                                            score)
 from minivllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved,  # noqa: E402
                                             BlockStored)
 
@@ -120,7 +121,7 @@ def test_the_pool_subscribes_to_each_replicas_events_and_forgets_one_that_leaves
     """``PoolView`` as the router keeps it: replicas (Serve's ``RunningReplica``: an id and its
     routing stats) with real publishers; one replica leaves and is forgotten and reported."""
     pytest.importorskip("ray.serve")
-    from minivllm.disagg.kv_pool import PoolView
+    from minivllm.disagg.fleet.kv_pool import PoolView
     from minivllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
     pubs = {uid: ZmqEventPublisher(endpoint="tcp://127.0.0.1:0",
                                    replay_endpoint="tcp://127.0.0.1:0") for uid in ("r1", "r2")}
@@ -157,11 +158,11 @@ def test_the_pool_subscribes_to_each_replicas_events_and_forgets_one_that_leaves
 def test_the_fleet_figure_is_drawn_from_the_codes_own_names(tmp_path):
     """figures/fleet_routing.png: every label is read from the object it names."""
     pytest.importorskip("matplotlib")
-    from minivllm.disagg import fleet_figure
-    labels = fleet_figure.names()
+    from minivllm.disagg.fleet import figure
+    labels = figure.names()
     assert labels["score"] == score.__name__ and labels["ingress"] == "FleetIngress"
     assert (tmp_path / "f.png").exists() is False
-    assert fleet_figure.draw(str(tmp_path / "f.png")) and (tmp_path / "f.png").stat().st_size > 0
+    assert figure.draw(str(tmp_path / "f.png")) and (tmp_path / "f.png").stat().st_size > 0
 
 
 def test_the_ingress_counts_a_request_on_its_pick_while_it_streams_and_not_after():
@@ -172,7 +173,7 @@ def test_the_ingress_counts_a_request_on_its_pick_while_it_streams_and_not_after
     import asyncio
     from collections import Counter
 
-    from minivllm.disagg.fleet_ingress import FleetIngress
+    from minivllm.disagg.fleet.ingress import FleetIngress
 
     class Stream:                         # what ``handle.options(stream=True).generate.remote``
         def __init__(self, replica):      # returns: an async iterator with ``cancel``

@@ -155,6 +155,28 @@ def test_the_pool_subscribes_to_each_replicas_events_and_forgets_one_that_leaves
             p.shutdown()
 
 
+def test_both_routers_keep_their_pool_and_choose_as_they_say():
+    """``KVRouter`` and ``RoundRobinRouter`` share ``PoolRouter``'s pool (the one the ingress
+    picks from); ``KVRouter`` takes the ingress's pick, ``RoundRobinRouter`` each candidate in
+    turn. Serve builds routers with its own state; ``initialize_state`` and the choices are ours."""
+    pytest.importorskip("ray.serve")
+    import asyncio
+
+    from minivllm.disagg.fleet.kv_pool import ROUTING_KWARG, pool_view
+    from minivllm.disagg.fleet.kv_router import KVRouter, PoolRouter, RoundRobinRouter
+    kv, rr = object.__new__(KVRouter), object.__new__(RoundRobinRouter)
+    kv.initialize_state("router-test")
+    rr.initialize_state("router-test")
+    assert isinstance(kv, PoolRouter) and isinstance(rr, PoolRouter)
+    assert kv.pool is rr.pool is pool_view("router-test")
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=u)) for u in ("b", "a")]
+    turns = [asyncio.run(rr.choose_replicas(replicas))[0][0].replica_id.unique_id
+             for _ in range(3)]
+    assert turns == ["a", "b", "a"] and asyncio.run(rr.choose_replicas([])) == []
+    picked = SimpleNamespace(kwargs={ROUTING_KWARG: {"replica": "b"}})
+    assert asyncio.run(kv.choose_replicas(replicas, picked)) == [[replicas[0]]]
+
+
 def test_the_fleet_figure_is_drawn_from_the_codes_own_names(tmp_path):
     """figures/fleet_routing.png: every label is read from the object it names."""
     pytest.importorskip("matplotlib")

@@ -1,6 +1,6 @@
 """The fleet command as a process: ``python -m minivllm.disagg.fleet`` with its own Redis store
-(``RedisStoreConnector`` without ``--kv-store-url``), killed outright. Its ``redis-server`` must
-die with it, as the rest of what the command started does (Ray's own processes share its fate).
+(``RedisStoreConnector`` without ``--kv-store-url``), killed outright (SIGKILL, as the OOM killer
+does). Its ``redis-server`` must die with it: nothing else would ever stop it.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ one policy sizes both counts from each role's own load (NVIDIA Dynamo's planner 
 - each clamped to ``[min, max]``, and applied only once wanted without a break for
   ``upscale_delay_s`` (up) or ``downscale_delay_s`` (down), so a noisy series does not flap.
 
-``decide`` is pure (the tests drive it with recorded series, no Ray). ``FleetAutoscalingPolicy``
+``decide`` is pure: a recorded series in, the counts out, no Ray. ``FleetAutoscalingPolicy``
 is Ray Serve's application-level ``autoscaling_policy`` (ray/serve/autoscaling_policy.py), which
 gets every deployment's ``AutoscalingContext`` at once, so both counts are decided in one place.
 """

@@ -1,7 +1,7 @@
-"""The fleet's autoscaling policy (minivllm/disagg/autoscale.py) on recorded metric series, without
-Ray; the fleet command without Ray installed; the fleet's config checks, the Serve config it deploys
-and the HTTP options it takes (disagg/fleet_app.py); the records ``GET /fleet`` shows
-(fleet_replicas.FleetState)."""
+"""The fleet's autoscaling policy (minivllm/disagg/fleet/autoscale.py) on recorded metric series,
+without Ray; the fleet command without Ray installed; the fleet's config checks, the Serve config it
+deploys and the HTTP options it takes (disagg/fleet/app.py); the records ``GET /fleet`` shows
+(fleet/replicas.py, ``FleetState``)."""
 from __future__ import annotations
 
 import subprocess
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from minivllm.disagg.autoscale import FleetTargets, decide, role_metrics
+from minivllm.disagg.fleet.autoscale import FleetTargets, decide, role_metrics
 
 T = FleetTargets(prefill_min=1, prefill_max=3, decode_min=1, decode_max=3,
                  prefill_target_queued_tokens=1000, decode_target_running=4,
@@ -78,10 +78,11 @@ def test_role_metrics_sum_replicas_and_average_kv_usage():
 
 
 def test_without_ray_the_command_exits_2_and_the_package_imports():
-    code = ("import sys; sys.modules['ray'] = None\n"
-            "import minivllm, minivllm.disagg.fleet as f\n"
+    code = ("import runpy, sys; sys.modules['ray'] = None\n"
+            "import minivllm, minivllm.disagg.fleet.driver\n"
             "assert 'ray' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
-            "f.main(['--prefill', '1:2'])\n")
+            "sys.argv = ['fleet', '--prefill', '1:2']\n"
+            "runpy.run_module('minivllm.disagg.fleet', run_name='__main__')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert 'pip install "minivllm[fleet]"' in r.stderr
@@ -94,7 +95,7 @@ def test_importing_minivllm_does_not_import_ray():
 
 
 def test_shared_storage_is_refused_where_the_folder_is_not_seen(tmp_path):
-    from minivllm.disagg.fleet_replicas import MARKER, kv_transfer_config
+    from minivllm.disagg.fleet.replicas import MARKER, kv_transfer_config
     config = {"kv_connector": "SharedStorageConnector", "shared_storage_path": str(tmp_path)}
     with pytest.raises(RuntimeError, match="does not see the fleet's folder"):
         kv_transfer_config("decode", config, "10.0.0.2")
@@ -107,7 +108,7 @@ def test_shared_storage_is_refused_where_the_folder_is_not_seen(tmp_path):
 
 
 def test_config_checks():
-    from minivllm.disagg.fleet import FleetConfig, check_config
+    from minivllm.disagg.fleet.app import FleetConfig, check_config
     check_config(FleetConfig("m", "RedisStoreConnector"))            # the fleet starts the store
     check_config(FleetConfig("m", "RedisStoreConnector", kv_store_url="redis://h:6379/0"))
     with pytest.raises(ValueError, match="kv_connector must be one of"):
@@ -123,7 +124,7 @@ def test_config_checks():
 
 
 def test_store_url_warning_and_view_never_show_a_password():
-    from minivllm.disagg.fleet_replicas import kv_transfer_config
+    from minivllm.disagg.fleet.replicas import kv_transfer_config
     from minivllm.distributed.kv_transfer.redis_store import redacted
     from minivllm.distributed.kv_transfer.redis_server import store_url, unguarded_warning
     assert store_url("10.0.0.1", 6379) == "redis://10.0.0.1:6379/0"
@@ -145,7 +146,8 @@ def test_the_deployed_config_carries_no_key():
     import json
     from dataclasses import asdict
 
-    from minivllm.disagg.fleet_app import APP, FleetConfig, app_config
+    from minivllm.disagg.fleet.app import FleetConfig, app_config
+    from minivllm.disagg.fleet.replicas import APP
     config = FleetConfig("m", "RedisStoreConnector", api_keys=["client-key-1"],
                          secure=True, state_actor="fleet-state-x")
     app = app_config(config, T)
@@ -162,8 +164,8 @@ def test_the_deployed_config_carries_no_key():
 def test_a_running_serve_keeps_its_http_options():
     """Serve applies ``http_options`` only when it starts: joining a cluster whose Serve runs, the
     ingress is on that Serve's host and port; asking for others is an error naming them."""
-    from minivllm.disagg.fleet import _parser
-    from minivllm.disagg.fleet_app import FleetConfigError, http_options
+    from minivllm.disagg.fleet.app import FleetConfigError, http_options
+    from minivllm.disagg.fleet.driver import _parser
     assert http_options(None, None, None) == {"host": "127.0.0.1", "port": 8000}
     assert http_options("0.0.0.0", 0, None) == {"host": "0.0.0.0", "port": 0}   # 0: a free one
     running = {"host": "0.0.0.0", "port": 8000}
@@ -180,9 +182,8 @@ def test_a_running_serve_keeps_its_http_options():
 def test_fleet_lists_a_decision_only_when_a_count_or_a_wish_changes():
     """Every tick goes to the ``metrics`` series; ``/fleet``'s decisions are the changes, with
     times a person reads, and each role shows only its own metrics beside the replicas' events."""
-    from minivllm.disagg.autoscale import FleetAutoscalingPolicy
-    from minivllm.disagg.autoscale import ROLE_METRICS
-    from minivllm.disagg.fleet_replicas import FleetState
+    from minivllm.disagg.fleet.autoscale import ROLE_METRICS, FleetAutoscalingPolicy
+    from minivllm.disagg.fleet.replicas import FleetState
     state = FleetState({"prefill": [1, 2], "decode": [1, 2]})
     policy = FleetAutoscalingPolicy(upscale_delay_s=1.0, downscale_delay_s=5.0)
     series = [tick()] * 20 + [tick(queued=1500)] * 4 + [tick()] * 20
@@ -220,7 +221,7 @@ def test_prompt_tokens_count_until_their_prefill_finished():
     forward runs: ``num_computed_tokens`` already says done, no first token exists yet."""
     from types import SimpleNamespace as R
 
-    from minivllm.disagg.fleet_replicas import prompt_tokens_not_prefilled
+    from minivllm.disagg.fleet.replicas import prompt_tokens_not_prefilled
     scheduled = [R(num_prompt_tokens=600, num_computed_tokens=600, num_cached_tokens=0,
                    num_output_tokens=0) for _ in range(8)]
     hit = R(num_prompt_tokens=600, num_computed_tokens=600, num_cached_tokens=512,
@@ -239,17 +240,17 @@ def test_the_fleet_starts_a_ray_of_its_own_and_never_changes_the_callers_config(
 
     import ray
 
-    from minivllm.disagg import fleet
+    from minivllm.disagg.fleet import app, driver
     calls = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
-    config = fleet.FleetConfig(model="m", secure=True, kv_connector="SharedStorageConnector")
-    assert fleet._start_ray(None, FleetTargets(), config) is True
+    config = app.FleetConfig(model="m", secure=True, kv_connector="SharedStorageConnector")
+    assert driver._start_ray(None, FleetTargets(), config) is True
     assert calls[-1]["address"] == "local" and calls[-1]["num_cpus"] >= 6
-    assert fleet._start_ray("auto", FleetTargets(), config) is False
+    assert driver._start_ray("auto", FleetTargets(), config) is False
     assert calls[-1]["address"] == "auto" and "num_cpus" not in calls[-1]
     before = dataclasses.asdict(config)
-    filled = fleet._with_fleet_defaults(config)
+    filled = driver._with_fleet_defaults(config)
     try:
         assert dataclasses.asdict(config) == before
         assert filled.state_actor and filled.shared_storage_path
@@ -259,5 +260,5 @@ def test_the_fleet_starts_a_ray_of_its_own_and_never_changes_the_callers_config(
 
 
 def test_the_ingress_admits_more_than_serves_default_of_five():
-    from minivllm.disagg import fleet_app
-    assert fleet_app.INGRESS_MAX_ONGOING_REQUESTS >= 64
+    from minivllm.disagg.fleet import app
+    assert app.INGRESS_MAX_ONGOING_REQUESTS >= 64

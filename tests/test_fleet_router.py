@@ -1,4 +1,4 @@
-"""The fleet's KV-aware routing without a cluster (disagg/kv_index.py, disagg/kv_pool.PoolView):
+"""The fleet's KV-aware routing without a cluster (disagg/fleet/kv_index.py, kv_pool.PoolView):
 the index on recorded event streams (an engine's own, and hand-made ones with lost, late and
 out-of-order events), its LRU bound, a replica cleared, Dynamo's score, the pick and its fallback,
 the P/D decision."""
@@ -11,8 +11,9 @@ import pytest
 
 pytest.importorskip("msgspec")
 
-from minivllm.disagg.kv_index import (Candidate, KVIndex, needs_remote_prefill,  # noqa: E402
-                                      pick, prompt_block_hashes, score)
+from minivllm.disagg.fleet.kv_index import (Candidate, KVIndex,  # noqa: E402
+                                            needs_remote_prefill, pick, prompt_block_hashes,
+                                            score)
 from minivllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved,  # noqa: E402
                                             BlockStored)
 
@@ -120,7 +121,7 @@ def test_the_pool_subscribes_to_each_replicas_events_and_forgets_one_that_leaves
     """``PoolView`` as the router keeps it: replicas (Serve's ``RunningReplica``: an id and its
     routing stats) with real publishers; one replica leaves and is forgotten and reported."""
     pytest.importorskip("ray.serve")
-    from minivllm.disagg.kv_pool import PoolView
+    from minivllm.disagg.fleet.kv_pool import PoolView
     from minivllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
     pubs = {uid: ZmqEventPublisher(endpoint="tcp://127.0.0.1:0",
                                    replay_endpoint="tcp://127.0.0.1:0") for uid in ("r1", "r2")}
@@ -154,14 +155,36 @@ def test_the_pool_subscribes_to_each_replicas_events_and_forgets_one_that_leaves
             p.shutdown()
 
 
+def test_both_routers_keep_their_pool_and_choose_as_they_say():
+    """``KVRouter`` and ``RoundRobinRouter`` share ``PoolRouter``'s pool (the one the ingress
+    picks from); ``KVRouter`` takes the ingress's pick, ``RoundRobinRouter`` each candidate in
+    turn. Serve builds routers with its own state; ``initialize_state`` and the choices are ours."""
+    pytest.importorskip("ray.serve")
+    import asyncio
+
+    from minivllm.disagg.fleet.kv_pool import ROUTING_KWARG, pool_view
+    from minivllm.disagg.fleet.kv_router import KVRouter, PoolRouter, RoundRobinRouter
+    kv, rr = object.__new__(KVRouter), object.__new__(RoundRobinRouter)
+    kv.initialize_state("router-test")
+    rr.initialize_state("router-test")
+    assert isinstance(kv, PoolRouter) and isinstance(rr, PoolRouter)
+    assert kv.pool is rr.pool is pool_view("router-test")
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=u)) for u in ("b", "a")]
+    turns = [asyncio.run(rr.choose_replicas(replicas))[0][0].replica_id.unique_id
+             for _ in range(3)]
+    assert turns == ["a", "b", "a"] and asyncio.run(rr.choose_replicas([])) == []
+    picked = SimpleNamespace(kwargs={ROUTING_KWARG: {"replica": "b"}})
+    assert asyncio.run(kv.choose_replicas(replicas, picked)) == [[replicas[0]]]
+
+
 def test_the_fleet_figure_is_drawn_from_the_codes_own_names(tmp_path):
     """figures/fleet_routing.png: every label is read from the object it names."""
     pytest.importorskip("matplotlib")
-    from minivllm.disagg import fleet_figure
-    labels = fleet_figure.names()
+    from minivllm.disagg.fleet import figure
+    labels = figure.names()
     assert labels["score"] == score.__name__ and labels["ingress"] == "FleetIngress"
     assert (tmp_path / "f.png").exists() is False
-    assert fleet_figure.draw(str(tmp_path / "f.png")) and (tmp_path / "f.png").stat().st_size > 0
+    assert figure.draw(str(tmp_path / "f.png")) and (tmp_path / "f.png").stat().st_size > 0
 
 
 def test_the_ingress_counts_a_request_on_its_pick_while_it_streams_and_not_after():
@@ -172,7 +195,7 @@ def test_the_ingress_counts_a_request_on_its_pick_while_it_streams_and_not_after
     import asyncio
     from collections import Counter
 
-    from minivllm.disagg.fleet_ingress import FleetIngress
+    from minivllm.disagg.fleet.ingress import FleetIngress
 
     class Stream:                         # what ``handle.options(stream=True).generate.remote``
         def __init__(self, replica):      # returns: an async iterator with ``cancel``

@@ -119,11 +119,11 @@ def test_launcher_secure_gives_the_store_a_password_file(tmp_path):
     from minivllm.distributed.kv_transfer.factory import validate_kv_transfer_config
     cluster = launch.Cluster("http://127.0.0.1:1", [], [], "RedisStoreConnector", "", str(tmp_path))
     try:
-        guard = launch._secure_files(cluster, "RedisStoreConnector", 1)
+        guard = cluster._secure_files("RedisStoreConnector", 1)
         pw_file = guard["password_file"]
         assert os.stat(pw_file).st_mode & 0o777 == 0o600
         assert os.stat(cluster.secrets_dir).st_mode & 0o777 == 0o700
-        url = launch._start_redis(cluster, child_env(), 30, pw_file)
+        url = cluster._start_redis(child_env(), pw_file)
         password = open(pw_file).read().strip()
         assert url.startswith("redis://127.0.0.1:") and password not in url
         with pytest.raises(redis.AuthenticationError):

@@ -1,4 +1,4 @@
-"""``python -m minivllm.bench fleet``: the P/D fleet (disagg/fleet.py) fixed at 1P+1D against
+"""``python -m minivllm.bench fleet``: the P/D fleet (disagg/fleet/) fixed at 1P+1D against
 autoscaled, on one workload whose mix changes: a burst of long prompts, then long generations,
 then idle. Every number comes from the client's streams and the fleet's own records.
 
@@ -54,8 +54,9 @@ def _phase(url, model, seconds, clients, make_prompt, max_tokens, out):
 
 
 def run_once(args, bounds: tuple[int, int]) -> dict:
-    from minivllm.disagg.autoscale import FleetTargets
-    from minivllm.disagg.fleet import FleetConfig, start_fleet
+    from minivllm.disagg.fleet.app import FleetConfig
+    from minivllm.disagg.fleet.autoscale import FleetTargets
+    from minivllm.disagg.fleet.driver import start_fleet
     targets = FleetTargets(1, bounds[0], 1, bounds[1], args.prefill_target_queued_tokens,
                            args.decode_target_running, upscale_delay_s=0.5,
                            downscale_delay_s=args.phase_s / 2)
@@ -106,7 +107,7 @@ def run_once(args, bounds: tuple[int, int]) -> dict:
 
 
 def main(argv=None) -> None:
-    from minivllm.disagg.kv_index import OVERLAP_SCORE_WEIGHT
+    from minivllm.disagg.fleet.kv_index import OVERLAP_SCORE_WEIGHT
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None,
                     help="a small model directory (CPU); multiturn: default SmolLM2-135M-Instruct")

@@ -60,8 +60,9 @@ def _conversation_turn(url: str, model: str, messages: list, max_tokens: int) ->
 def run_multiturn(args, router: str) -> dict:
     """16 conversations x 6 turns (each turn's prompt: the conversation so far plus a new
     message), all conversations at once, on a fleet fixed at 2 prefill + 2 decode replicas."""
-    from minivllm.disagg.autoscale import FleetTargets
-    from minivllm.disagg.fleet import FleetConfig, start_fleet
+    from minivllm.disagg.fleet.app import FleetConfig
+    from minivllm.disagg.fleet.autoscale import FleetTargets
+    from minivllm.disagg.fleet.driver import start_fleet
     config = FleetConfig(model=args.model, replica_num_cpus=0.5, node_ip=False, router=router,
                          pd_min_uncached_tokens=args.pd_min_uncached_tokens,
                          overlap_score_weight=args.overlap_score_weight,

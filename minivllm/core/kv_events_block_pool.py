@@ -13,7 +13,7 @@ default) nothing here is loaded and the article's ``BlockPool`` runs unchanged.
 - ``reset_prefix_cache`` -> ``AllBlocksCleared``.
 
 As in vLLM, a hash computed by two requests at once is stored twice (no de-duplication) and reported
-each time; an index that keeps a set per replica (disagg/kv_index.py) is right either way.
+each time; an index that keeps a set per replica (disagg/fleet/kv_index.py) is right either way.
 """
 from __future__ import annotations
 

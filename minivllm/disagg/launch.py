@@ -1,15 +1,17 @@
 """``python -m minivllm.disagg.launch --prefill N --decode M --port P [--model M] [--seed S]``: a
-whole P/D cluster on one machine, on 127.0.0.1: the KV store (a Redis server from
-``python -m minivllm.kvstore`` for ``RedisStoreConnector``, a temporary folder for
-``SharedStorageConnector``, nothing for ``ZmqPullConnector``: each decode server pulls from the
-prefill server's side channel named in the ``kv_transfer_params``), N prefill servers (``kv_producer``), M decode servers
-(``kv_consumer``), each a ``python -m minivllm.serve`` process with its share of the CPU threads,
-and the proxy on port P. It prints the URLs (and one JSON line with every PID), waits until every
+whole P/D cluster on one machine, on 127.0.0.1, as vLLM's XpYd example script starts one
+(``examples/online_serving/disaggregated_serving_p2p_nccl_xpyd/disagg_example_p2p_nccl_xpyd.sh``:
+the instances, then the proxy): the KV store (a Redis server from ``python -m minivllm.kvstore``
+for ``RedisStoreConnector``, a temporary folder for ``SharedStorageConnector``, nothing for
+``ZmqPullConnector``: each decode server pulls from the prefill server's side channel named in the
+``kv_transfer_params``), N prefill servers (``kv_producer``), M decode servers (``kv_consumer``),
+each a ``python -m minivllm.serve`` process with its share of the CPU threads, and the proxy on
+port P. It prints the URLs (and one JSON line with every PID), waits until every
 instance answers ``/health``, and stops every child it started, by PID, on exit or Ctrl-C.
 
-``start_cluster()`` / ``Cluster.stop()`` are the same thing as a Python API (the notebook uses it).
+``start_cluster()`` / ``Cluster.stop()`` are the same thing as a Python API.
 
-Guards (see ``minivllm/entrypoints/openai/auth.py``, ``minivllm/kvstore.py``,
+Guards (see ``minivllm/entrypoints/openai/auth.py``, ``minivllm/distributed/kv_transfer/redis_server.py``,
 ``minivllm/distributed/kv_transfer/zmq_pull_curve.py``):
 - ``--api-key KEY`` (``auto``: a random one, printed once): every server and the proxy require it;
   children get it in their environment (``VLLM_API_KEY``), never on a command line;
@@ -106,47 +108,47 @@ class Cluster:
         for d in self._owned_dirs:
             shutil.rmtree(d, ignore_errors=True)
 
+    def _spawn(self, name: str, args: list[str], env: dict) -> subprocess.Popen:
+        """``python -m ARGS`` as the child ``name``, its output in ``log_dir/name.log``."""
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "w")
+        p = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT,
+                             env=env, start_new_session=True)   # Ctrl-C reaches us, not them
+        self.procs[name] = p
+        return p
 
-def _spawn(cluster: Cluster, name: str, args: list[str], env: dict) -> subprocess.Popen:
-    log = open(os.path.join(cluster.log_dir, f"{name}.log"), "w")
-    p = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT,
-                         env=env, start_new_session=True)   # Ctrl-C reaches us, not them
-    cluster.procs[name] = p
-    return p
+    def _start_redis(self, env: dict, password_file: Optional[str] = None,
+                     port: Optional[int] = None) -> str:
+        """``python -m minivllm.kvstore`` as the child ``kvstore``; returns the URL it prints."""
+        guard = (["--password-file", password_file, "--print-url-without-password"]
+                 if password_file else [])
+        p = subprocess.Popen([sys.executable, "-m", "minivllm.kvstore",
+                              "--port", str(port or free_port()), *guard],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+                             start_new_session=True)
+        self.procs["kvstore"] = p
+        line = p.stdout.readline().strip()       # the command prints its URL as its first line
+        if not line.startswith(("redis://", "unix://")):
+            raise RuntimeError("python -m minivllm.kvstore did not print its URL: "
+                               f"{line.split('@')[-1]!r}")   # (no credentials in the message)
+        return line
 
-
-def _start_redis(cluster: Cluster, env: dict, timeout: float,
-                 password_file: Optional[str] = None, port: Optional[int] = None) -> str:
-    guard = (["--password-file", password_file, "--print-url-without-password"]
-             if password_file else [])
-    p = subprocess.Popen([sys.executable, "-m", "minivllm.kvstore",
-                          "--port", str(port or free_port()), *guard],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-                         start_new_session=True)
-    cluster.procs["kvstore"] = p
-    line = p.stdout.readline().strip()           # its first line is its URL (DESIGN.md 5.2)
-    if not line.startswith(("redis://", "unix://")):
-        raise RuntimeError("python -m minivllm.kvstore did not print its URL: "
-                           f"{line.split('@')[-1]!r}")   # (no credentials in the message)
-    return line
-
-
-def _secure_files(cluster: Cluster, kv_connector: str, num_decode: int) -> dict:
-    """--secure: the cluster's secrets in a private folder; returns each role's extra config."""
-    import secrets as _secrets
-    d = cluster.secrets_dir = tempfile.mkdtemp(prefix="minivllm-secrets-")
-    cluster._owned_dirs.append(d)
-    out: dict = {}
-    if kv_connector == "RedisStoreConnector":
-        path = os.path.join(d, "kvstore.pass")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(_secrets.token_urlsafe(24) + "\n")
-        out["password_file"] = path
-    elif kv_connector == "ZmqPullConnector":
-        from minivllm.disagg.keys import make_keys
-        out["curve"] = make_keys(os.path.join(d, "curve"), num_decode)
-    return out
+    def _secure_files(self, kv_connector: str, num_decode: int) -> dict:
+        """--secure: the cluster's secrets in a private folder; returns each role's extra
+        config."""
+        import secrets as _secrets
+        d = self.secrets_dir = tempfile.mkdtemp(prefix="minivllm-secrets-")
+        self._owned_dirs.append(d)
+        out: dict = {}
+        if kv_connector == "RedisStoreConnector":
+            path = os.path.join(d, "kvstore.pass")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(_secrets.token_urlsafe(24) + "\n")
+            out["password_file"] = path
+        elif kv_connector == "ZmqPullConnector":
+            from minivllm.disagg.keys import make_keys
+            out["curve"] = make_keys(os.path.join(d, "curve"), num_decode)
+        return out
 
 
 def wait_healthy(cluster: Cluster, urls: list[str], timeout: float, verify=True) -> None:
@@ -206,11 +208,11 @@ def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int]
     cluster = Cluster(f"{scheme}://{_netloc(proxy_host, proxy_port)}", [], [],
                       kv_connector, "", log_dir, _owned_dirs=owned, api_key=api_key or None)
     try:
-        guard = _secure_files(cluster, kv_connector, num_decode) if secure else {}
+        guard = cluster._secure_files(kv_connector, num_decode) if secure else {}
         if kv_connector == "RedisStoreConnector":
             # not the proxy's port, chosen above but bound only once the servers are up
-            cluster.kv_store = _start_redis(cluster, env, startup_timeout,
-                                            guard.get("password_file"), free_port(taken=taken))
+            cluster.kv_store = cluster._start_redis(env, guard.get("password_file"),
+                                                    free_port(taken=taken))
             extra = {"url": cluster.kv_store}
             if "password_file" in guard:
                 extra["password_file"] = guard["password_file"]
@@ -239,13 +241,13 @@ def start_cluster(num_prefill: int = 1, num_decode: int = 1, port: Optional[int]
                         guard["curve"]["prefill" if role == "prefill" else f"decode{i}"])
                 p = free_port(host, taken)
                 urls.append(f"{scheme}://{_netloc(host, p)}")
-                _spawn(cluster, f"{role}{i}", [*common, "--host", host, "--port", str(p),
-                                               "--kv-transfer-config", json.dumps(kv)], env)
-        _spawn(cluster, "proxy", ["minivllm.disagg.proxy", "--host", proxy_host,
-                                  "--port", str(proxy_port), *tls_args,
-                                  *(["--backend-ca", ssl[2]] if ssl else []),
-                                  "--prefill", *cluster.prefill_urls,
-                                  "--decode", *cluster.decode_urls], env)
+                cluster._spawn(f"{role}{i}", [*common, "--host", host, "--port", str(p),
+                                              "--kv-transfer-config", json.dumps(kv)], env)
+        cluster._spawn("proxy", ["minivllm.disagg.proxy", "--host", proxy_host,
+                                 "--port", str(proxy_port), *tls_args,
+                                 *(["--backend-ca", ssl[2]] if ssl else []),
+                                 "--prefill", *cluster.prefill_urls,
+                                 "--decode", *cluster.decode_urls], env)
         verify = _ssl.create_default_context(cafile=ssl[2]) if ssl else True
         wait_healthy(cluster, cluster.prefill_urls + cluster.decode_urls + [cluster.proxy_url],
                      startup_timeout, verify)

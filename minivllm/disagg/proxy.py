@@ -236,7 +236,7 @@ def stream_error(message: str) -> bytes:
 def build_app(proxy: DisaggProxy, api_keys: tuple[str, ...] = (),
               guarded: tuple[str, ...] = ("/v1", "/proxy")) -> FastAPI:
     """The proxy's endpoints over ``proxy``: a ``DisaggProxy``, or anything with its ``handle``,
-    ``models``, ``health`` and ``records`` (the fleet's ingress, fleet_ingress.FleetIngress)."""
+    ``models``, ``health`` and ``records`` (the fleet's ingress, fleet/ingress.py)."""
     app = FastAPI(title="minivllm P/D proxy")
     install_error_handlers(app)
     faults = dict(server_fault="never from the proxy itself; a decode instance's 5xx is retried "

@@ -42,7 +42,30 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from typing import Optional
+from typing import Callable, Optional
+
+PR_SET_PDEATHSIG = 1              # <linux/prctl.h>
+
+
+def parent_death_signal() -> Optional[Callable[[], None]]:
+    """A ``preexec_fn``: Linux sends the child SIGKILL when the thread that forked it exits
+    (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, kept across ``exec``), so a parent killed outright
+    (SIGKILL, the OOM killer) leaves no child behind. None off Linux. libc's ``prctl`` is found
+    here, in the parent: between fork and exec the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    args = [ctypes.c_ulong(int(signal.SIGKILL))] + [ctypes.c_ulong(0)] * 3   # unsigned longs
+
+    def die_with_parent() -> None:
+        if prctl(PR_SET_PDEATHSIG, *args) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:       # the parent died before the signal was armed
+            os.kill(os.getpid(), signal.SIGKILL)
+    return die_with_parent
 
 
 def find_redis_server() -> str:
@@ -89,13 +112,18 @@ class RedisServer:
 
     ``port=None``: unix socket ``<tmpdir>/redis.sock`` only (no TCP); else TCP on ``host:port``.
     ``maxmemory`` (e.g. ``"64mb"``) turns on ``allkeys-lru`` eviction; ``password``: ``requirepass``;
-    ``tls``: ``(cert_file, key_file, ca_file)``, TLS only on ``port`` (needs a TLS-built binary)."""
+    ``tls``: ``(cert_file, key_file, ca_file)``, TLS only on ``port`` (needs a TLS-built binary).
+    ``die_with_parent``: on Linux the server dies with the thread that calls ``start()``, even one
+    killed outright (``parent_death_signal``); call it from a thread that lives as long as the
+    server is needed."""
 
     def __init__(self, port: Optional[int] = None, host: str = "127.0.0.1",
                  unix_socket: Optional[str] = None, maxmemory: Optional[str] = None,
                  start_timeout_s: float = 10.0, password: Optional[str] = None,
-                 tls: Optional[tuple[str, str, str]] = None) -> None:
+                 tls: Optional[tuple[str, str, str]] = None,
+                 die_with_parent: bool = False) -> None:
         self.port, self.host, self.maxmemory = port, host, maxmemory
+        self.die_with_parent = die_with_parent
         if password is not None and (not password or any(
                 c in '"\\' or not c.isprintable() for c in password)):
             # (it goes in a double-quoted config line, where Redis reads escapes)
@@ -164,7 +192,9 @@ class RedisServer:
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
         args += tls
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     preexec_fn=parent_death_signal() if self.die_with_parent
+                                     else None)
         import redis
         deadline = time.monotonic() + self.start_timeout_s
         while True:          # bounded wait until the server answers PING

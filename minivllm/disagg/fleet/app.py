@@ -1,5 +1,8 @@
 """The fleet as the Ray Serve application it deploys: its configuration and checks (no Ray needed),
-the application config (``app_config``) and the builder Serve imports from it (``fleet_app``).
+the application config (``app_config``) and the builder Serve imports from it (``fleet_app``), in
+the place of Ray Serve LLM's ``build_pd_openai_app`` (Ray 2.60's
+``ray/llm/_internal/serve/serving_patterns/prefill_decode/builder.py``), which builds vLLM engines
+and cannot build ours.
 
 Serve takes an application-level ``autoscaling_policy`` only from a config, which it keeps in Ray's
 GCS and shows to anyone who reads it (``serve config``, the dashboard). So no key goes into it:
@@ -11,9 +14,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from minivllm.disagg.autoscale import FleetTargets
-from minivllm.disagg.fleet_replicas import APP, NAMESPACE, ROLES
-from minivllm.disagg.kv_index import OVERLAP_SCORE_WEIGHT
+from minivllm.disagg.fleet.autoscale import FleetTargets
+from minivllm.disagg.fleet.kv_index import OVERLAP_SCORE_WEIGHT
+from minivllm.disagg.fleet.replicas import APP, NAMESPACE, ROLES
 
 CONNECTORS = ("ZmqPullConnector", "RedisStoreConnector", "SharedStorageConnector")
 ROUTER_NAMES = ("kv", "round_robin", "serve")
@@ -98,10 +101,10 @@ def check_config(config: FleetConfig) -> None:
 def app_config(config: FleetConfig, targets: FleetTargets) -> dict:
     """The fleet as one application of a ``ServeDeploySchema``; ``api_keys`` are left out."""
     args = {k: v for k, v in asdict(config).items() if k != "api_keys"}
-    policy = {"policy_function": "minivllm.disagg.autoscale:FleetAutoscalingPolicy",
+    policy = {"policy_function": "minivllm.disagg.fleet.autoscale:FleetAutoscalingPolicy",
               "policy_kwargs": {**asdict(targets), "state_actor": config.state_actor,
                                 "namespace": NAMESPACE}}
-    return {"name": APP, "route_prefix": "/", "import_path": "minivllm.disagg.fleet_app:fleet_app",
+    return {"name": APP, "route_prefix": "/", "import_path": "minivllm.disagg.fleet.app:fleet_app",
             "args": {"config": args, "targets": asdict(targets)}, "autoscaling_policy": policy}
 
 
@@ -128,9 +131,9 @@ def fleet_app(args: dict) -> Any:
     with its role's request router (kv_router.py), and the ingress, which gets their handles."""
     from ray import serve
 
-    from minivllm.disagg.fleet_ingress import FleetIngress
-    from minivllm.disagg.fleet_replicas import EngineReplica
-    from minivllm.disagg.kv_router import ROUTERS
+    from minivllm.disagg.fleet.ingress import FleetIngress
+    from minivllm.disagg.fleet.kv_router import ROUTERS
+    from minivllm.disagg.fleet.replicas import EngineReplica
     config, targets = args["config"], FleetTargets(**args["targets"])
     replicas = []
     for role in ROLES:

@@ -11,7 +11,7 @@ one policy sizes both counts from each role's own load (NVIDIA Dynamo's planner 
 - each clamped to ``[min, max]``, and applied only once wanted without a break for
   ``upscale_delay_s`` (up) or ``downscale_delay_s`` (down), so a noisy series does not flap.
 
-``decide`` is pure (the tests drive it with recorded series, no Ray). ``FleetAutoscalingPolicy``
+``decide`` is pure: a recorded series in, the counts out, no Ray. ``FleetAutoscalingPolicy``
 is Ray Serve's application-level ``autoscaling_policy`` (ray/serve/autoscaling_policy.py), which
 gets every deployment's ``AutoscalingContext`` at once, so both counts are decided in one place.
 """
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-# What each role's replicas report (fleet_replicas.engine_load) and ``GET /fleet`` shows of it.
+# What each role's replicas report (replicas.engine_load) and ``GET /fleet`` shows of it.
 ROLE_METRICS = {"prefill": ("waiting_prompt_tokens", "running_prefills", "kv_cache_usage",
                             "ttft_recent_s"),
                 "decode": ("running_requests", "kv_cache_usage", "itl_recent_s")}
@@ -125,7 +125,7 @@ def role_metrics(role: str, aggregated: dict[str, dict[Any, float]]) -> dict[str
 
 
 class FleetAutoscalingPolicy:
-    """Serve's application-level policy (fleet_app.app_config names it). Serve builds it once in
+    """Serve's application-level policy (app.app_config names it). Serve builds it once in
     its controller and calls it every control-loop tick with ``{DeploymentID: AutoscalingContext}``;
     it returns ``({DeploymentID: replicas}, state)``. Each tick also goes to ``FleetState``."""
 

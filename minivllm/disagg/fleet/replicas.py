@@ -1,6 +1,8 @@
-"""The fleet's Ray parts besides the ingress (fleet_ingress.py): the engine replicas and the named
-actor that keeps the fleet's records. Nothing here imports ``ray`` at module level; fleet_app.py
-makes Serve deployments of ``EngineReplica`` and fleet.py a named actor of ``FleetState``.
+"""The fleet's engine replicas and the named actor that keeps the fleet's records, as Ray Serve
+LLM's ``PDPrefillServer`` and ``PDDecodeServer`` (Ray 2.60's
+``ray/llm/_internal/serve/serving_patterns/prefill_decode/pd_server.py``, over ``LLMServer`` in
+``core/server/llm_server.py``) are its replicas. No ``ray`` at module level: the classes become a
+Serve deployment and a named actor only when the fleet starts.
 
 - ``EngineReplica``: one ``AsyncLLM`` (built as ``minivllm serve`` builds it) with its role's
   ``KVTransferConfig``. The ingress calls ``generate`` through a ``DeploymentHandle``, which runs
@@ -8,7 +10,7 @@ makes Serve deployments of ``EngineReplica`` and fleet.py a named actor of ``Fle
   the KV path and the KV events listen on the network. Serve reads its load
   (``record_autoscaling_stats``, for autoscale.py) and where its KV events are
   (``record_routing_stats``, for kv_router.py).
-- ``FleetState``: the keys (never in Serve's application config: fleet_app.py), every policy tick
+- ``FleetState``: the keys (never in Serve's application config: app.py), every policy tick
   and the decisions among them, the replicas' events, and the routes the ingress took.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import time
 from typing import Any, AsyncIterator, Optional
 
-from minivllm.disagg.autoscale import ROLE_METRICS
+from minivllm.disagg.fleet.autoscale import ROLE_METRICS
 
 APP, NAMESPACE, ROLES = "minivllm-fleet", "minivllm-fleet", ("prefill", "decode")
 MARKER = ".minivllm-fleet-marker"     # SharedStorageConnector: the file every node must see

@@ -1,5 +1,7 @@
-"""One pool of engine replicas (prefill or decode) as the ingress's process sees it, shared by the
-ingress (which picks) and the pool's request router (kv_router.py, which keeps it current).
+"""One pool of engine replicas (prefill or decode) as the ingress's process sees it: what the
+ingress picks from and the pool's request router (kv_router.py) keeps current. Ray Serve LLM's
+nearest counterpart is the ``KVTokenTracker`` its ``KVAwareRouter`` scores through (Ray 2.60's
+``ray/llm/_internal/serve/routing_policies/kv_aware/kv_token_tracker.py``).
 
 ``PoolView``: the pool's replicas (Serve's ``RunningReplica``, kept current by the router's
 ``update_replicas``) and a ``KVIndex`` (kv_index.py) fed by each replica's KV events (a
@@ -13,8 +15,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Optional
 
-from minivllm.disagg.kv_index import (OVERLAP_SCORE_WEIGHT, Candidate, KVIndex, pick,
-                                      prompt_block_hashes)
+from minivllm.disagg.fleet.kv_index import (OVERLAP_SCORE_WEIGHT, Candidate, KVIndex, pick,
+                                            prompt_block_hashes)
 from minivllm.distributed.kv_events import KVEventSubscriber
 
 ROUTING_KWARG = "routing"        # the call's keyword argument the routers read

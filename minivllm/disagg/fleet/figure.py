@@ -1,10 +1,9 @@
-"""``python -m minivllm.disagg.fleet_figure [PATH]``: the fleet's routing drawn from the code's
+"""``python -m minivllm.disagg.fleet.figure [PATH]``: the fleet's routing drawn from the code's
 own names (figures/fleet_routing.png in the README): the ingress, the prefill pool, the decode
 pool, the KV path between them, and the policy that reads both pools' KV events.
 
 Every label is taken from the objects it names (``__qualname__``, the config's fields), so a
-rename changes the figure when it is drawn again, and a removed name fails to draw it
-(tests/test_fleet_router.py draws it).
+rename changes the figure when it is drawn again, and a removed name fails to draw it.
 """
 from __future__ import annotations
 
@@ -17,14 +16,14 @@ DEFAULT_PATH = "figures/fleet_routing.png"
 def names() -> dict:
     """The labels, read from the code."""
     from minivllm.core.kv_events_block_pool import KVEventsBlockPool
-    from minivllm.disagg import fleet_app, fleet_ingress, kv_index
-    from minivllm.disagg.fleet_replicas import EngineReplica
+    from minivllm.disagg.fleet import app, ingress, kv_index
+    from minivllm.disagg.fleet.replicas import EngineReplica
     from minivllm.distributed.kv_events import BlockRemoved, BlockStored, ZmqEventPublisher
-    config = {f.name for f in fields(fleet_app.FleetConfig)}
+    config = {f.name for f in fields(app.FleetConfig)}
     assert {"router", "pd_min_uncached_tokens"} <= config
     return {
-        "ingress": fleet_ingress.FleetIngress.__qualname__,
-        "tokenize": fleet_ingress.FleetIngress.prompt_token_ids.__name__,
+        "ingress": ingress.FleetIngress.__qualname__,
+        "tokenize": ingress.FleetIngress.prompt_token_ids.__name__,
         "choose": "PoolView.choose",
         "score": kv_index.score.__name__, "pick": kv_index.pick.__name__,
         "decide": kv_index.needs_remote_prefill.__name__,

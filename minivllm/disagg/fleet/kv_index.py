@@ -1,5 +1,5 @@
 """Where the KV is: the fleet's index of which replica holds which prefix-cache block, and the
-choice it feeds. Pure Python, no Ray: the tests drive it with recorded event streams.
+choice it feeds. Pure Python, no Ray: the same events always build the same index.
 
 - ``KVIndex``: one per pool (prefill, decode). Fed by each replica's KV events
   (distributed/kv_events.py: ``BlockStored`` adds hashes, ``BlockRemoved`` drops them,

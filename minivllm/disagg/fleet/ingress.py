@@ -1,6 +1,8 @@
 """The fleet's ingress: the P/D proxy's endpoints (proxy.build_app: the same validation, 400s and
-API key) over ``DeploymentHandle``s, as Ray Serve LLM's P/D builder calls its prefill and decode
-deployments, plus ``GET /fleet`` and ``GET /fleet/records``.
+API key) over ``DeploymentHandle``s, plus ``GET /fleet`` and ``GET /fleet/records``. It plays the
+part of Ray Serve LLM's P/D orchestrator (``PDOrchestratorMixin`` in Ray 2.60's
+``ray/llm/_internal/serve/serving_patterns/prefill_decode/pd_server.py``), which prefills through
+a handle and then decodes, from its own deployment rather than from the decode engine's.
 
 Per request, decode first (llm-d's ``disagg-profile-handler`` and ``prefix-based-pd-decider``):
 
@@ -29,8 +31,8 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
-from minivllm.disagg.fleet_replicas import NAMESPACE, ROLES, readable
-from minivllm.disagg.kv_index import needs_remote_prefill
+from minivllm.disagg.fleet.kv_index import needs_remote_prefill
+from minivllm.disagg.fleet.replicas import NAMESPACE, ROLES, readable
 from minivllm.disagg.proxy import (DisaggProxy, _error, build_app, prefill_body,
                                    stream_error)
 
@@ -46,7 +48,7 @@ class FleetIngress:
     def __init__(self, config: dict, prefill: Any, decode: Any) -> None:
         import ray
 
-        from minivllm.disagg.kv_pool import pool_view
+        from minivllm.disagg.fleet.kv_pool import pool_view
         from minivllm.model_executor.model_loader import load_tokenizer, resolve_model_path
         self.config, self.handles = config, {"prefill": prefill, "decode": decode}
         self.state = state = ray.get_actor(config["state_actor"], namespace=NAMESPACE)

@@ -1,6 +1,7 @@
 """The fleet's request routers: Ray Serve ``RequestRouter`` subclasses (Ray 2.60's public
-``ray.serve.request_router``), set per deployment with ``request_router_config``. They run in the
-caller's process, the ingress, beside its ``DeploymentHandle``s.
+``ray.serve.request_router``), set per deployment with ``request_router_config``, beside Ray Serve
+LLM's ``KVAwareRouter`` (``ray/llm/_internal/serve/routing_policies/kv_aware/kv_aware_router.py``).
+They run in the caller's process, the ingress, beside its ``DeploymentHandle``s.
 
 - ``KVRouter`` (``--router kv``, the default): the replica the ingress picked from the pool's KV
   index (``PoolView.choose``: kv_index.py's ``score`` and ``pick``), passed in the call's
@@ -10,11 +11,10 @@ caller's process, the ingress, beside its ``DeploymentHandle``s.
 - ``RoundRobinRouter`` (``--router round_robin``): each candidate in turn.
 - ``--router serve``: no router of ours, Serve's default (power of two choices on queue length).
 
-Each keeps its pool's ``PoolView`` (kv_pool.py) current with Serve's replicas. Serve pickles a
-router's module by value, so the state the ingress shares with the routers lives in kv_pool.py,
-imported by both. Ray's
-``KVAwareRouter`` is not used: it scores through a ``KVTokenTracker`` that only Ray Serve LLM's own
-ingress builds (``ray.llm._internal``), with NVIDIA Dynamo's wheel.
+Both keep their pool's ``PoolView`` (kv_pool.py) current with Serve's replicas (``PoolRouter``).
+Serve pickles a router's module by value, so the state the ingress shares with the routers lives
+in kv_pool.py. Ray's ``KVAwareRouter`` is not used: it scores through a ``KVTokenTracker`` that
+only Ray Serve LLM's own ingress builds (``ray.llm._internal``), with NVIDIA Dynamo's wheel.
 """
 from __future__ import annotations
 
@@ -23,14 +23,16 @@ from typing import Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from minivllm.disagg.kv_pool import ROUTING_KWARG, pool_view
+from minivllm.disagg.fleet.kv_pool import ROUTING_KWARG, pool_view
+
 
 def _routing(pending_request: Optional[PendingRequest]) -> dict:
     return (pending_request.kwargs.get(ROUTING_KWARG) if pending_request else None) or {}
 
 
-class KVRouter(RequestRouter):
-    """The ingress's pick from the pool's KV index; else the least loaded candidate."""
+class PoolRouter(RequestRouter):
+    """A router that keeps its pool's ``PoolView`` current with Serve's replicas; its subclasses
+    choose. ``pool``: the ``request_router_kwargs`` entry (default: the deployment's name)."""
 
     def initialize_state(self, pool: str = "") -> None:
         self.pool = pool_view(pool or self._deployment_id.name)
@@ -38,6 +40,10 @@ class KVRouter(RequestRouter):
     def update_replicas(self, replicas: list) -> None:
         super().update_replicas(replicas)
         self.pool.update(replicas)
+
+
+class KVRouter(PoolRouter):
+    """The ingress's pick from the pool's KV index; else the least loaded candidate."""
 
     async def choose_replicas(self, candidate_replicas: list,
                               pending_request: Optional[PendingRequest] = None) -> list:
@@ -51,16 +57,12 @@ class KVRouter(RequestRouter):
         return [sorted(candidate_replicas, key=load)[:1]] if candidate_replicas else []
 
 
-class RoundRobinRouter(RequestRouter):
+class RoundRobinRouter(PoolRouter):
     """Each candidate in turn (the URL proxy's policy, for comparison)."""
 
     def initialize_state(self, pool: str = "") -> None:
-        self.pool = pool_view(pool or self._deployment_id.name)
+        super().initialize_state(pool)
         self._turn = itertools.count()
-
-    def update_replicas(self, replicas: list) -> None:
-        super().update_replicas(replicas)
-        self.pool.update(replicas)
 
     async def choose_replicas(self, candidate_replicas: list,
                               pending_request: Optional[PendingRequest] = None) -> list:
@@ -70,6 +72,6 @@ class RoundRobinRouter(RequestRouter):
         return [[ring[next(self._turn) % len(ring)]]]
 
 
-ROUTERS = {"kv": "minivllm.disagg.kv_router.KVRouter",
-           "round_robin": "minivllm.disagg.kv_router.RoundRobinRouter",
+ROUTERS = {"kv": "minivllm.disagg.fleet.kv_router.KVRouter",
+           "round_robin": "minivllm.disagg.fleet.kv_router.RoundRobinRouter",
            "serve": None}       # Serve's default

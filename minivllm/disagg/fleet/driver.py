@@ -1,16 +1,18 @@
-"""``python -m minivllm.disagg.fleet``: P/D as the article says it runs in practice, "N vLLM prefill
-instances and M vLLM decode instances, autoscaling them based on the live request mix", as one
-Ray Serve application.
+"""The fleet's driver: ``python -m minivllm.disagg.fleet`` and ``start_fleet``. P/D as the article
+says it runs in practice, "N vLLM prefill instances and M vLLM decode instances, autoscaling them
+based on the live request mix", as one Ray Serve application. It plays the part of Ray Serve's
+``serve run`` (``ray/serve/scripts.py``, ``serve.run`` in ``ray/serve/api.py``) for Ray Serve
+LLM's ``build_pd_openai_app``: start or join Ray, start Serve, deploy, wait until it answers.
 
     python -m minivllm.disagg.fleet --prefill 1:3 --decode 1:3 --kv-connector ZmqPullConnector \\
         --port 8004 [--router kv|round_robin|serve] [--pd-min-uncached-tokens N]
         [--address auto|HOST:PORT] [--secure] [--model M]
 
-- ``prefill`` and ``decode`` deployments of engine replicas (fleet_replicas.py), placed on nodes
-  that carry the role's resource (``ray start --resources='{"prefill": 1}'``) where there are any;
-- the ingress (fleet_ingress.py), which picks the decode replica first by the KV it holds (the
-  engines' KV events, kv_pool.py), prefills remotely only where that pays, and calls both roles
-  through ``DeploymentHandle``s;
+- ``prefill`` and ``decode`` deployments of engine replicas (replicas.py), placed on nodes that
+  carry the role's resource (``ray start --resources='{"prefill": 1}'``) where there are any;
+- the ingress (ingress.py), which picks the decode replica first by the KV it holds (the engines'
+  KV events, kv_pool.py), prefills remotely only where that pays, and calls both roles through
+  ``DeploymentHandle``s;
 - one autoscaling policy for both roles (autoscale.py).
 
 The KV path across nodes: ``ZmqPullConnector`` (decode pulls from the prefill node);
@@ -21,7 +23,8 @@ and stops (``--secure``: a random password that only the replicas get, from ``Fl
 ``MIN:MAX`` per role; one number is a fixed count. Without ``--address`` the fleet starts a Ray of
 its own (``ray.init(address="local")``, whatever other Ray runs here) and stops it at exit; with
 it, the fleet joins the cluster and at exit deletes only what it started. Ctrl-C or SIGTERM stops
-the fleet, its own KV store included.
+the fleet, its own KV store included; the store also dies with the command when the command is
+killed outright (SIGKILL, the OOM killer).
 """
 from __future__ import annotations
 
@@ -41,12 +44,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from minivllm.disagg.autoscale import FleetTargets
-from minivllm.disagg.fleet_app import (APP, CONNECTORS, NAMESPACE, ROLES,  # noqa: F401
-                                       ROUTER_NAMES, ROUTING_STATS_PERIOD_S, FleetConfig,
-                                       FleetConfigError, app_config, check_config, http_options,
-                                       parse_range)
-from minivllm.disagg.fleet_replicas import MARKER
+from minivllm.disagg.fleet.app import (CONNECTORS, ROUTER_NAMES, FleetConfig, FleetConfigError,
+                                       app_config, check_config, http_options, parse_range)
+from minivllm.disagg.fleet.autoscale import FleetTargets
+from minivllm.disagg.fleet.replicas import APP, MARKER, NAMESPACE, ROLES
 
 INSTALL = 'the fleet runs on Ray Serve, which is not installed: pip install "minivllm[fleet]"'
 # FleetTargets' fields that are flags of their own (the bounds come from --prefill and --decode).
@@ -64,7 +65,7 @@ class Fleet:
     kv_store: dict = field(default_factory=dict)     # the fleet's own store: url, pid, password
     _started: list = field(default_factory=list)     # "ray", "serve", "app", in that order
     _state: Any = None
-    _store: Any = None                               # kvstore.RedisServer
+    _store: Any = None                               # redis_server.RedisServer
     _owned_dirs: list = field(default_factory=list)
 
     def view(self) -> dict:
@@ -97,32 +98,116 @@ class Fleet:
             for d in self._owned_dirs:
                 shutil.rmtree(d, ignore_errors=True)
 
+    def _serve_http(self, host: Optional[str], port: Optional[int]) -> dict:
+        """The ingress's HTTP options; notes whether Serve must be started. Serve has no public
+        call that says whether it runs and on which port, hence its client
+        (``_get_global_client``)."""
+        from ray.serve.context import _get_global_client
+
+        from minivllm.disagg.launch import free_port
+        try:
+            http = _get_global_client(raise_if_no_controller_running=True).http_config
+            running = {"host": http.host, "port": http.port}
+        except Exception:                                      # noqa: BLE001  no Serve yet
+            running = None
+            self._started.append("serve")
+        options = http_options(host, port, running)
+        return dict(options, port=options["port"] or free_port(options["host"]))
+
+    def _start_store_and_state(self) -> None:
+        """On this (the driver's) node, so that they outlive any other node leaving: the fleet's
+        own Redis store when it needs one, and ``FleetState``, which holds the keys. The store
+        dies with this process even when it is killed outright (``die_with_parent``), so it is
+        started from the thread that runs the fleet."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from minivllm.disagg.fleet.replicas import FleetState
+        from minivllm.disagg.launch import free_port
+        from minivllm.distributed.kv_transfer.redis_store import redacted
+        from minivllm.distributed.kv_transfer.redis_server import RedisServer, unguarded_warning
+        c, password = self.config, None
+        if c.kv_connector == "RedisStoreConnector" and not c.kv_store_url:
+            host = ray.util.get_node_ip_address() if c.node_ip else "127.0.0.1"
+            password = secrets.token_urlsafe(24) if c.secure else None
+            self._store = RedisServer(port=free_port(host), host=host, password=password,
+                                      die_with_parent=True).start()
+            self.kv_store = {"url": self._store.url_without_password, "pid": self._store.pid,
+                             "password": password is not None}
+            c = dataclasses.replace(c, kv_store_url=self.kv_store["url"])
+            if msg := unguarded_warning(host, password, "pass --secure (a random password only "
+                                                        "the fleet's replicas get)"):
+                warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        self.config = c
+        kv_view = {"connector": c.kv_connector, "url": redacted(c.kv_store_url) if c.kv_store_url
+                   else None, "path": c.shared_storage_path, "started_by_fleet": bool(self._store),
+                   "password": password is not None}
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        bounds = {r: [getattr(self.targets, f"{r}_min"), getattr(self.targets, f"{r}_max")]
+                  for r in ROLES}
+        self._state = ray.remote(FleetState).options(
+            name=c.state_actor, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=here).remote(
+            bounds, kv_view, {"api_keys": list(c.api_keys), "kv_store_password": password})
+
+    def _deploy(self, http: dict) -> None:
+        """Start Serve if needed and deploy the fleet as a config: Serve takes an application-level
+        ``autoscaling_policy`` only from a ``ServeDeploySchema``, and deploys one only through its
+        REST API or its client's ``deploy_apps`` (no public Python call), hence the client."""
+        from ray import serve
+        from ray.serve.context import _get_global_client
+        from ray.serve.schema import ServeDeploySchema
+        if "serve" in self._started:
+            serve.start(http_options=http)
+        self._started.append("app")
+        _get_global_client().deploy_apps(
+            ServeDeploySchema(applications=[app_config(self.config, self.targets)]))
+        self.url = f"http://{http['host']}:{http['port']}"
+        self.api_key = self.config.api_keys[0] if self.config.api_keys else None
+
+    def _wait_until_serving(self, startup_timeout: float) -> None:
+        import httpx
+        from ray import serve
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            status = serve.status().applications.get(APP)
+            if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+                raise RuntimeError(f"the fleet did not start: {status.message}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the fleet did not answer /health within {startup_timeout} s")
+            time.sleep(0.5)
+
 
 def start_fleet(config: FleetConfig, targets: FleetTargets = FleetTargets(),
                 port: Optional[int] = 0, host: Optional[str] = None,
                 address: Optional[str] = None, startup_timeout: float = 300.0) -> Fleet:
     """Start Ray (a cluster of its own, or join ``address``), start Serve, deploy the fleet, wait
     until it answers. ``host``/``port``: the ingress's (None: 127.0.0.1, 8000; port 0: a free
-    one), or those of a Serve already running (fleet_app.http_options). ``config`` is never
-    changed: ``Fleet.config`` is the one that runs."""
+    one), or those of a Serve already running (app.http_options). ``config`` is never
+    changed: ``Fleet.config`` is the one that runs. Call it from a thread that lives as long as
+    the fleet (the main thread): on Linux the fleet's own KV store dies when that thread ends."""
     import ray
     check_config(config)
     fleet = Fleet("", _with_fleet_defaults(config), targets)
     if fleet.config.shared_storage_path != config.shared_storage_path:
         fleet._owned_dirs.append(fleet.config.shared_storage_path)
     if fleet.config.shared_storage_path:
-        # A node that cannot see this file refuses to start (fleet_replicas.kv_transfer_config).
+        # A node that cannot see this file refuses to start (replicas.kv_transfer_config).
         open(os.path.join(fleet.config.shared_storage_path, MARKER), "w").close()
     if _start_ray(address, targets, fleet.config):
         fleet._started.append("ray")
     try:
-        http = _serve_http(fleet, host, port)        # refused before anything else starts
+        http = fleet._serve_http(host, port)        # refused before anything else starts
         # Place by role only where the cluster's nodes carry the roles' resources.
         carried = set(ROLES) <= set(ray.cluster_resources())
         fleet.config = dataclasses.replace(fleet.config, by_role=fleet.config.by_role and carried)
-        _start_store_and_state(fleet)
-        _deploy(fleet, http)
-        _wait_until_serving(fleet, startup_timeout)
+        fleet._start_store_and_state()
+        fleet._deploy(http)
+        fleet._wait_until_serving(startup_timeout)
     except BaseException:
         fleet.stop()
         raise
@@ -154,92 +239,9 @@ def _start_ray(address: Optional[str], targets: FleetTargets, config: FleetConfi
     return True
 
 
-def _serve_http(fleet: Fleet, host: Optional[str], port: Optional[int]) -> dict:
-    """The ingress's HTTP options; notes whether Serve must be started. Serve has no public call
-    that says whether it runs and on which port, hence its client (``_get_global_client``)."""
-    from ray.serve.context import _get_global_client
-
-    from minivllm.disagg.launch import free_port
-    try:
-        http = _get_global_client(raise_if_no_controller_running=True).http_config
-        running = {"host": http.host, "port": http.port}
-    except Exception:                                      # noqa: BLE001  no Serve yet
-        running = None
-        fleet._started.append("serve")
-    options = http_options(host, port, running)
-    return dict(options, port=options["port"] or free_port(options["host"]))
-
-
-def _start_store_and_state(fleet: Fleet) -> None:
-    """On this (the driver's) node, so that they outlive any other node leaving: the fleet's own
-    Redis store when it needs one, and ``FleetState``, which holds the keys."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from minivllm.disagg.fleet_replicas import FleetState
-    from minivllm.disagg.launch import free_port
-    from minivllm.distributed.kv_transfer.redis_store import redacted
-    from minivllm.distributed.kv_transfer.redis_server import RedisServer, unguarded_warning
-    c, password = fleet.config, None
-    if c.kv_connector == "RedisStoreConnector" and not c.kv_store_url:
-        host = ray.util.get_node_ip_address() if c.node_ip else "127.0.0.1"
-        password = secrets.token_urlsafe(24) if c.secure else None
-        fleet._store = RedisServer(port=free_port(host), host=host, password=password).start()
-        fleet.kv_store = {"url": fleet._store.url_without_password, "pid": fleet._store.pid,
-                          "password": password is not None}
-        c = dataclasses.replace(c, kv_store_url=fleet.kv_store["url"])
-        if msg := unguarded_warning(host, password, "pass --secure (a random password only the "
-                                                    "fleet's replicas get)"):
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
-    fleet.config = c
-    kv_view = {"connector": c.kv_connector, "url": redacted(c.kv_store_url) if c.kv_store_url
-               else None, "path": c.shared_storage_path, "started_by_fleet": bool(fleet._store),
-               "password": password is not None}
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    bounds = {r: [getattr(fleet.targets, f"{r}_min"), getattr(fleet.targets, f"{r}_max")]
-              for r in ROLES}
-    fleet._state = ray.remote(FleetState).options(
-        name=c.state_actor, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=here).remote(
-        bounds, kv_view, {"api_keys": list(c.api_keys), "kv_store_password": password})
-
-
-def _deploy(fleet: Fleet, http: dict) -> None:
-    """Start Serve if needed and deploy the fleet as a config: Serve takes an application-level
-    ``autoscaling_policy`` only from a ``ServeDeploySchema``, and deploys one only through its
-    REST API or its client's ``deploy_apps`` (no public Python call), hence the client."""
-    from ray import serve
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-    if "serve" in fleet._started:
-        serve.start(http_options=http)
-    fleet._started.append("app")
-    _get_global_client().deploy_apps(
-        ServeDeploySchema(applications=[app_config(fleet.config, fleet.targets)]))
-    fleet.url = f"http://{http['host']}:{http['port']}"
-    fleet.api_key = fleet.config.api_keys[0] if fleet.config.api_keys else None
-
-
-def _wait_until_serving(fleet: Fleet, startup_timeout: float) -> None:
-    import httpx
-    from ray import serve
-    deadline = time.monotonic() + startup_timeout
-    while True:
-        try:
-            if httpx.get(fleet.url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        status = serve.status().applications.get(APP)
-        if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
-            raise RuntimeError(f"the fleet did not start: {status.message}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the fleet did not answer /health within {startup_timeout} s")
-        time.sleep(0.5)
-
-
 def _parser() -> argparse.ArgumentParser:
     from minivllm.entrypoints.openai.api_server import DEFAULT_MODEL
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m minivllm.disagg.fleet", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     d, c, add = FleetTargets(), FleetConfig(DEFAULT_MODEL), ap.add_argument   # their defaults
     for role in ROLES:

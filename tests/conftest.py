@@ -23,6 +23,7 @@ from quick import ALL, QUICK, quick_name
 SERIAL: dict[str, "tuple[str, ...] | None"] = {
     # a real multi-node Ray cluster: its raylets, GCS and Serve replicas want every core
     "test_fleet.py": ALL,
+    "test_fleet_command.py": ALL,
     "test_fleet_policy.py": ("test_the_fleet_starts_a_ray_of_its_own_and_never_changes_the_callers_config",),
 }
 

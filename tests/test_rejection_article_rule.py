@@ -88,13 +88,12 @@ def test_reference_backend_is_the_article_rule_in_the_batch():
     """``RejectionSampler("reference")`` (the ``--plain`` path) reaches ``accept_or_recover`` in at
     most 4 calls from ``forward`` and samples what the race samples."""
     import inspect
-    from minivllm.sample import rejection_reference, rejection_sampler
-    random_sample = rejection_reference.rejection_random_sample_reference
+    from minivllm.sample import rejection_sampler
+    from minivllm.sample.rejection_reference import ReferenceRejectionBackend
+    assert RejectionSampler("reference").backend_cls is ReferenceRejectionBackend
     chain = [(rejection_sampler.RejectionSampler.forward, "rejection_sample("),
-             (rejection_sampler.rejection_sample,
-              'if backend == "reference":   # the article\'s rule, one request at a time\n'
-              '        rejection_reference.rejection_random_sample_reference('),
-             (random_sample, "accept_or_recover(")]
+             (rejection_sampler.rejection_sample, "backend.rejection_random_sample("),
+             (ReferenceRejectionBackend.rejection_random_sample, "accept_or_recover(")]
     assert all(call in inspect.getsource(f) for f, call in chain)
     gen = torch.Generator().manual_seed(3)
     p = torch.softmax(torch.randn(K + 1, VOCAB, generator=gen), -1)

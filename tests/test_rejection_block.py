@@ -159,7 +159,7 @@ def _metadata(n, temperature=1.0, greedy_rows=()):
 def test_batch_backend_keeps_what_the_reference_keeps_from_the_same_draws():
     """Same uniforms -> the same kept drafts, and a bonus exactly when the reference has none to
     recover (the recovered token itself is drawn differently: the race against multinomial)."""
-    from minivllm.sample.rejection_block import block_random_sample
+    from minivllm.sample.rejection_block import BlockRejectionBackend
     gen = torch.Generator().manual_seed(5)
     V = 12
     for trial in range(40):
@@ -174,10 +174,11 @@ def test_batch_backend_keeps_what_the_reference_keeps_from_the_same_draws():
         q = None if one_hot else torch.softmax(torch.randn(num, V, generator=gen) * 2, -1)
         u = torch.rand(num, generator=gen, dtype=torch.float64)
         out = torch.full((6, 5), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
-        cu = torch.tensor(np.cumsum(counts), dtype=torch.int32)
         bonus = torch.full((6, 1), 99)
-        block_random_sample(out, counts, cu, flat, q, target, bonus, u,
-                            torch.zeros(6, dtype=torch.bool), {})
+        BlockRejectionBackend.rejection_random_sample(
+            output_token_ids=out, metadata=SpecDecodeMetadata.make_dummy(drafts), draft_probs=q,
+            target_probs=target, bonus_token_ids=bonus, uniform_probs=u,
+            is_greedy=torch.zeros(6, dtype=torch.bool), generators={})
         start = 0
         for i, n in enumerate(counts):
             kept, recovered = block_verify(drafts[i], None if q is None else q[start:start + n],

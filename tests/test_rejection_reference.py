@@ -80,12 +80,18 @@ def test_reference_kernels_equal_triton_kernels(seed):
     uniform = torch.rand(n, dtype=torch.float64, generator=gen)
     bonus = torch.randint(0, vocab, (batch, 1), generator=gen)
     is_greedy = torch.rand(batch, generator=gen) < 0.5
+    flat = draft.tolist()
+    md = SpecDecodeMetadata.make_dummy([flat[end - k:end] for k, end in zip(num_draft, cu.tolist())])
     for dp in (torch.softmax(torch.randn(n, vocab, generator=gen), -1), target_probs, None):
         outs = []
-        for greedy_fn, random_fn in ((R.rejection_greedy_sample_torch, R.rejection_random_sample_torch),
-                                     (K.rejection_greedy_sample_triton, K.rejection_random_sample_triton)):
+        for backend, write_random in (
+                (R.TorchRejectionBackend, R.rejection_random_sample_torch),
+                (K.TritonRejectionBackend,
+                 lambda *args: K.rejection_random_sample_launch(*args, msl).run())):
             out = torch.full((batch, msl + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
-            greedy_fn(out, cu, draft, target_argmax, bonus, is_greedy, msl)
-            random_fn(out, cu, draft, dp, target_probs, bonus, recovered, uniform, is_greedy, msl)
+            backend.rejection_greedy_sample(output_token_ids=out, metadata=md,
+                                            target_argmax=target_argmax, bonus_token_ids=bonus,
+                                            is_greedy=is_greedy)
+            write_random(out, cu, draft, dp, target_probs, bonus, recovered, uniform, is_greedy)
             outs.append(out)
         assert torch.equal(outs[0], outs[1])

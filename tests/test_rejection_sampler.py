@@ -293,8 +293,12 @@ def test_triton_kernels_equal_torch_on_random_inputs():
     q = torch.empty(batch, vocab).exponential_(generator=gen)
     q[0] = 1.0
     draft = torch.randint(0, vocab, (n,), generator=gen, dtype=torch.int32)
+    flat = draft.tolist()
+    md = SpecDecodeMetadata.make_dummy([flat[end - k:end] for k, end in zip(num_draft, cu.tolist())])
+    assert torch.equal(md.draft_token_ids, draft) and torch.equal(md.cu_num_draft_tokens, cu)
+    q_per_draft = R.TorchRejectionBackend.expand_batch_to_tokens(q, md)
     for dp in (draft_probs, None):
-        ref = R.sample_recovered_tokens_torch(cu, draft, dp, target_probs, q, msl)
+        ref = R.sample_recovered_tokens_torch(draft, dp, target_probs, q_per_draft)
         assert torch.equal(ref, K.sample_recovered_tokens_triton(cu, draft, dp, target_probs, q, msl))
     recovered = ref
     uniform = torch.rand(n, dtype=torch.float64, generator=gen)
@@ -304,18 +308,22 @@ def test_triton_kernels_equal_torch_on_random_inputs():
                                 target_probs.argmax(-1))
     for dp in (draft_probs, target_probs * 0.9, None):
         outs = []
-        for greedy_fn, random_fn in ((R.rejection_greedy_sample_torch, R.rejection_random_sample_torch),
-                                     (K.rejection_greedy_sample_triton, K.rejection_random_sample_triton)):
+        for backend, write_random in (
+                (R.TorchRejectionBackend, R.rejection_random_sample_torch),
+                (K.TritonRejectionBackend,
+                 lambda *args: K.rejection_random_sample_launch(*args, msl).run())):
             out = torch.full((batch, msl + 1), -1, dtype=torch.int32)
-            greedy_fn(out, cu, draft, target_argmax, bonus, is_greedy, msl)
-            random_fn(out, cu, draft, dp, target_probs, bonus, recovered, uniform, is_greedy, msl)
+            backend.rejection_greedy_sample(output_token_ids=out, metadata=md,
+                                            target_argmax=target_argmax, bonus_token_ids=bonus,
+                                            is_greedy=is_greedy)
+            write_random(out, cu, draft, dp, target_probs, bonus, recovered, uniform, is_greedy)
             outs.append(out)
         assert torch.equal(outs[0], outs[1])
     temps = torch.tensor([0.0, 0.5, 2.0, 0.0, 1.0])
     for x, rf, rt in ((temps, 0.0, 1.0), (torch.tensor([0, 3, 1, 5, 2]), 0, 0)):
-        ref = A.expand_batch_to_tokens_torch(x, cu, n, msl, rf, rt)
-        assert torch.equal(ref, K.expand_batch_to_tokens_triton(x, cu, n, msl, rf, rt))
-    assert A.expand_batch_to_tokens_torch(temps, cu, n, msl, 0.0, 1.0).tolist() == \
+        ref = R.TorchRejectionBackend.expand_batch_to_tokens(x, md, rf, rt)
+        assert torch.equal(ref, K.TritonRejectionBackend.expand_batch_to_tokens(x, md, rf, rt))
+    assert R.TorchRejectionBackend.expand_batch_to_tokens(temps, md, 0.0, 1.0).tolist() == \
         [1.0] * 3 + [2.0] * 2 + [1.0] * 4 + [1.0]
 
 

@@ -1,7 +1,8 @@
-"""The rejection sampler's "block" backend: block verification for a batch (Sun et al. 2024;
-vLLM 0.32's ``speculative_config={"rejection_sample_method": "block"}``, the Triton kernel's
+"""The rejection sampler's "block" backend, ``BlockRejectionBackend``: block verification for a
+batch (Sun et al. 2024; article step 7's variant, vLLM 0.32's
+``speculative_config={"rejection_sample_method": "block"}``, the Triton kernel's
 ``USE_BLOCK_VERIFICATION`` path in ``vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py``).
-``rejection_sampler._kernels("block")`` imports it; greedy rows keep the torch backend's greedy loop
+It overrides the random path of the "torch" backend (rejection_torch.py) and keeps its greedy loop
 (a greedy draft is kept iff it is the argmax, under either rule, as in vLLM).
 
 The rule, one request at a time, is ``rejection_reference.block_verify`` (its docstring works an
@@ -33,17 +34,20 @@ uniforms (``generate_uniform_probs``) and the recovered token by the exponential
 equal vLLM's in distribution, not draw for draw. vLLM also applies the draft's temperature to
 cached draft logits; here ``draft_probs`` arrive as the drafter's final distribution.
 
-Shapes as in ``rejection_torch.race_random_sample``: ``output_token_ids`` ``[batch, max_spec_len +
-1]`` int32 written in place; ``draft_token_ids``, ``uniform_probs`` ``[num_tokens]``;
-``draft_probs`` (``None`` for one-hot drafts) and ``target_probs`` ``[num_tokens, vocab]``.
+Shapes as in rejection_torch.py: ``output_token_ids`` ``[batch, max_spec_len + 1]`` int32 written
+in place; ``draft_token_ids``, ``uniform_probs`` ``[num_tokens]``; ``draft_probs`` (``None`` for
+one-hot drafts) and ``target_probs`` ``[num_tokens, vocab]``.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from minivllm.sample.rejection_torch import generate_recovery_noise
+from minivllm.sample.rejection_torch import TorchRejectionBackend, generate_recovery_noise
+
+if TYPE_CHECKING:   # annotations only
+    from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
 
 
 def joint_ratios_and_thresholds(num_draft_tokens: list[int], draft_token_ids: torch.Tensor,
@@ -98,43 +102,53 @@ def block_residual(target_rows: torch.Tensor, draft_rows: Optional[torch.Tensor]
     return torch.where(real, residual, target_rows)
 
 
-def block_random_sample(output_token_ids, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
-                        draft_probs, target_probs, bonus_token_ids, uniform_probs, is_greedy,
-                        generators) -> None:
-    """The random rows of a batch by block verification (same signature as
-    ``rejection_torch.race_random_sample`` without its backend arguments)."""
-    p, h = joint_ratios_and_thresholds(num_draft_tokens, draft_token_ids, draft_probs, target_probs)
-    drafts, u = draft_token_ids.tolist(), uniform_probs.tolist()
-    greedy, bonus = is_greedy.tolist(), bonus_token_ids.view(-1).tolist()
-    out = output_token_ids.tolist()
-    recover_reqs, recover_taus, recover_rows, recover_ratios = [], [], [], []
-    start = 0
-    for i, n in enumerate(num_draft_tokens):
-        if not greedy[i]:
-            tau = 0
-            for j in range(n):
-                if drafts[start + j] < 0:
-                    break
-                if u[start + j] <= h[start + j]:
-                    tau = j + 1                      # the last passing prefix is kept
-            out[i][:tau] = drafts[start:start + tau]
-            if tau == n:
-                out[i][tau] = bonus[i]
-            else:
-                recover_reqs.append(i)
-                recover_taus.append(tau)
-                recover_rows.append(start + tau)
-                recover_ratios.append(1.0 if tau == 0 else p[start + tau - 1])
-        start += n
-    if recover_reqs:
-        q = generate_recovery_noise(len(num_draft_tokens), target_probs.shape[-1], num_draft_tokens,
-                                    generators, target_probs.device)
-        rows = torch.tensor(recover_rows, device=target_probs.device)
-        residual = block_residual(target_probs[rows], None if draft_probs is None else draft_probs[rows],
-                                  draft_token_ids[rows],
-                                  torch.tensor(recover_ratios, dtype=target_probs.dtype,
-                                               device=target_probs.device))
-        recovered = (residual / q[recover_reqs]).argmax(-1).tolist()
-        for i, tau, token in zip(recover_reqs, recover_taus, recovered):
-            out[i][tau] = token
-    output_token_ids.copy_(torch.tensor(out, dtype=torch.int32, device=output_token_ids.device))
+class BlockRejectionBackend(TorchRejectionBackend):
+    """``"block"``: the random rows by block verification; the greedy rows as "torch" keeps them."""
+
+    @staticmethod
+    def rejection_random_sample(*, output_token_ids: torch.Tensor, metadata: SpecDecodeMetadata,
+                                draft_probs: Optional[torch.Tensor], target_probs: torch.Tensor,
+                                bonus_token_ids: torch.Tensor, uniform_probs: torch.Tensor,
+                                is_greedy: torch.Tensor,
+                                generators: dict[int, torch.Generator]) -> None:
+        """The random rows of a batch by block verification: per request the longest prefix
+        whose draw passes its threshold, then the bonus or one token from the residual after it,
+        drawn by the exponential race with the request's own noise row (``generators``)."""
+        num_draft_tokens = metadata.num_draft_tokens
+        p, h = joint_ratios_and_thresholds(num_draft_tokens, metadata.draft_token_ids, draft_probs,
+                                           target_probs)
+        drafts, u = metadata.draft_token_ids.tolist(), uniform_probs.tolist()
+        greedy, bonus = is_greedy.tolist(), bonus_token_ids.view(-1).tolist()
+        out = output_token_ids.tolist()
+        recover_reqs, recover_taus, recover_rows, recover_ratios = [], [], [], []
+        start = 0
+        for i, n in enumerate(num_draft_tokens):
+            if not greedy[i]:
+                tau = 0
+                for j in range(n):
+                    if drafts[start + j] < 0:
+                        break
+                    if u[start + j] <= h[start + j]:
+                        tau = j + 1                      # the last passing prefix is kept
+                out[i][:tau] = drafts[start:start + tau]
+                if tau == n:
+                    out[i][tau] = bonus[i]
+                else:
+                    recover_reqs.append(i)
+                    recover_taus.append(tau)
+                    recover_rows.append(start + tau)
+                    recover_ratios.append(1.0 if tau == 0 else p[start + tau - 1])
+            start += n
+        if recover_reqs:
+            device = target_probs.device
+            q = generate_recovery_noise(len(num_draft_tokens), target_probs.shape[-1],
+                                        num_draft_tokens, generators, device)
+            rows = torch.tensor(recover_rows, device=device)
+            residual = block_residual(
+                target_probs[rows], None if draft_probs is None else draft_probs[rows],
+                metadata.draft_token_ids[rows],
+                torch.tensor(recover_ratios, dtype=target_probs.dtype, device=device))
+            recovered = (residual / q[recover_reqs]).argmax(-1).tolist()
+            for i, tau, token in zip(recover_reqs, recover_taus, recovered):
+                out[i][tau] = token
+        output_token_ids.copy_(torch.tensor(out, dtype=torch.int32, device=output_token_ids.device))

@@ -1,8 +1,8 @@
-"""Triton kernels of the rejection sampler, mirroring the kernels in vllm/v1/sample/rejection_sampler.py.
-
-Each kernel has a launcher here with the same signature as its plain-PyTorch reference in
-``minivllm/sample/rejection_torch.py`` (``*_triton`` here, ``*_torch`` there); both write the same
-numbers given the same inputs, including the random draws, which are made once in torch beforehand.
+"""The rejection sampler's "triton" backend, ``TritonRejectionBackend``: the Triton kernels of
+vllm/v1/sample/rejection_sampler.py (article step 7, "accept/reject left to right"), overriding all
+three methods of ``ReferenceRejectionBackend`` (rejection_reference.py). Each kernel writes the same
+numbers as its torch twin in rejection_torch.py given the same inputs, the random draws included,
+which are made once in torch beforehand (``generate_uniform_probs``, ``generate_recovery_noise``).
 
 Shapes: ``batch`` requests, ``num_tokens`` drafts in all, ``vocab`` entries.
 - ``output_token_ids`` ``[batch, max_spec_len + 1]`` int32, pre-filled with -1, written in place
@@ -14,11 +14,16 @@ Shapes: ``batch`` requests, ``num_tokens`` drafts in all, ``vocab`` entries.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from minivllm.sample.rejection_reference import ReferenceRejectionBackend
+from minivllm.sample.rejection_torch import generate_recovery_noise
 from minivllm.triton_utils import KernelLaunch, tl, triton
+
+if TYPE_CHECKING:   # annotations only
+    from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
 
 _MAX_VOCAB_BLOCK = 4096
 
@@ -204,35 +209,62 @@ def sample_recovered_tokens_launch(recovered, cu_num_draft_tokens, draft_token_i
              NO_DRAFT_PROBS=draft_probs is None))
 
 
-# Launchers (same signatures as the torch references).
-
-def expand_batch_to_tokens_triton(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
-                                  max_spec_len: int, replace_from=0, replace_to=0) -> torch.Tensor:
-    output = torch.empty(num_tokens, dtype=x.dtype, device=x.device)
-    if num_tokens > 0:
-        expand_launch(output, x, cu_num_tokens, max_spec_len, replace_from, replace_to).run()
-    return output
-
-
-def rejection_greedy_sample_triton(output_token_ids, cu_num_draft_tokens, draft_token_ids,
-                                   target_argmax, bonus_token_ids, is_greedy, max_spec_len) -> None:
-    rejection_greedy_sample_launch(output_token_ids, cu_num_draft_tokens, draft_token_ids,
-                                   target_argmax, bonus_token_ids, is_greedy, max_spec_len).run()
-
-
-def rejection_random_sample_triton(output_token_ids, cu_num_draft_tokens, draft_token_ids,
-                                   draft_probs, target_probs, bonus_token_ids, recovered_token_ids,
-                                   uniform_probs, is_greedy, max_spec_len) -> None:
-    rejection_random_sample_launch(output_token_ids, cu_num_draft_tokens, draft_token_ids,
-                                   draft_probs, target_probs, bonus_token_ids, recovered_token_ids,
-                                   uniform_probs, is_greedy, max_spec_len).run()
-
-
 def sample_recovered_tokens_triton(cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs,
                                    q, max_spec_len) -> torch.Tensor:
+    """Each draft's recovered token ``[num_tokens]``, as rejection_torch.py's
+    ``sample_recovered_tokens_torch`` draws it from ``q`` expanded over the drafts; here ``q``
+    ``[batch, vocab]``, one row per request, and the grid ``(batch, max_spec_len)``."""
     recovered = torch.empty_like(draft_token_ids)
     if draft_token_ids.numel() == 0:
         return recovered
     sample_recovered_tokens_launch(recovered, cu_num_draft_tokens, draft_token_ids, draft_probs,
                                    target_probs, q, max_spec_len).run()
     return recovered
+
+
+class TritonRejectionBackend(ReferenceRejectionBackend):
+    """``"triton"``: vLLM's kernels, launched as its ``rejection_sample`` launches them."""
+
+    @staticmethod
+    def expand_batch_to_tokens(x: torch.Tensor, metadata: SpecDecodeMetadata, replace_from=0,
+                               replace_to=0) -> torch.Tensor:
+        """``expand_kernel``, one program per request; ``max_spec_len`` sizes its block."""
+        num_tokens = metadata.draft_token_ids.numel()
+        output = torch.empty(num_tokens, dtype=x.dtype, device=x.device)
+        if num_tokens > 0:
+            expand_launch(output, x, metadata.cu_num_draft_tokens, metadata.max_spec_len,
+                          replace_from, replace_to).run()
+        return output
+
+    @staticmethod
+    def rejection_greedy_sample(*, output_token_ids: torch.Tensor, metadata: SpecDecodeMetadata,
+                                target_argmax: torch.Tensor, bonus_token_ids: torch.Tensor,
+                                is_greedy: torch.Tensor) -> None:
+        """``rejection_greedy_sample_kernel``, one program per request."""
+        rejection_greedy_sample_launch(
+            output_token_ids=output_token_ids, cu_num_draft_tokens=metadata.cu_num_draft_tokens,
+            draft_token_ids=metadata.draft_token_ids, target_argmax=target_argmax,
+            bonus_token_ids=bonus_token_ids, is_greedy=is_greedy,
+            max_spec_len=metadata.max_spec_len).run()
+
+    @staticmethod
+    def rejection_random_sample(*, output_token_ids: torch.Tensor, metadata: SpecDecodeMetadata,
+                                draft_probs: Optional[torch.Tensor], target_probs: torch.Tensor,
+                                bonus_token_ids: torch.Tensor, uniform_probs: torch.Tensor,
+                                is_greedy: torch.Tensor,
+                                generators: dict[int, torch.Generator]) -> None:
+        """vLLM's race, as the "torch" backend runs it: the recovered tokens up front
+        (``sample_recovered_tokens_kernel``), then ``rejection_random_sample_kernel``."""
+        num_draft_tokens = metadata.num_draft_tokens
+        q = generate_recovery_noise(len(num_draft_tokens), target_probs.shape[-1], num_draft_tokens,
+                                    generators, target_probs.device)
+        recovered_token_ids = sample_recovered_tokens_triton(
+            cu_num_draft_tokens=metadata.cu_num_draft_tokens,
+            draft_token_ids=metadata.draft_token_ids, draft_probs=draft_probs,
+            target_probs=target_probs, q=q, max_spec_len=metadata.max_spec_len)
+        rejection_random_sample_launch(
+            output_token_ids=output_token_ids, cu_num_draft_tokens=metadata.cu_num_draft_tokens,
+            draft_token_ids=metadata.draft_token_ids, draft_probs=draft_probs,
+            target_probs=target_probs, bonus_token_ids=bonus_token_ids,
+            recovered_token_ids=recovered_token_ids, uniform_probs=uniform_probs,
+            is_greedy=is_greedy, max_spec_len=metadata.max_spec_len).run()

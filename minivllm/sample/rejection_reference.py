@@ -1,7 +1,9 @@
-"""The article's accept/reject rule, written as the article says it (article step 7; Leviathan et
-al. 2023, the same rule as gpt-fast's ``speculative_decode``): the readable reference for
-``rejection_sampler.py``, and the rejection sampler's ``"reference"`` backend (the tour's
-``--plain`` path: ``MINIVLLM_REJECTION_SAMPLER=reference``).
+"""The article's accept/reject rule, written as the article says it (article step 7, "accept/reject
+left to right"; Leviathan et al. 2023, the same rule as gpt-fast's ``speculative_decode``), and
+``ReferenceRejectionBackend``: the rejection sampler's ``"reference"`` backend (the tour's
+``--plain``: ``MINIVLLM_REJECTION_SAMPLER=reference``), which does one request at a time what the
+kernels of vllm/v1/sample/rejection_sampler.py do for a batch, and the base the other backends
+override.
 
 Left to right over the drafts: draft ``x`` at position ``j`` is accepted when ``p_draft(x) > 0``
 and ``p_target(x) / p_draft(x) >= u``, ``u ~ U[0, 1)``: always when ``p_target(x) >= p_draft(x)``,
@@ -11,17 +13,21 @@ rejection the recovered token is drawn from the residual ``normalize(max(p_targe
 and the request stops there; if every draft passed, the bonus token follows the last draft. Each
 emitted token is then distributed exactly as the target model's.
 
-The other backends ("torch", "triton") compute the same rule for a whole batch so that their ids
-equal vLLM 0.32's from the same draws; there the residual is sampled by an exponential race,
+The "torch" and "triton" backends compute the same rule for a whole batch so that their ids equal
+vLLM 0.32's from the same draws; there the residual is sampled by an exponential race,
 ``argmax(residual / q)`` with ``q ~ Exp(1)``, which picks token ``t`` with probability
 ``residual(t) / sum(residual)``: the same distribution as ``torch.multinomial`` on the normalised
-residual here (tests/test_rejection_article_rule.py checks the two agree).
+residual here (tests/test_rejection_article_rule.py checks the two agree). ``block_verify`` is
+block verification's rule for one request, beside the article's.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:   # annotations only
+    from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
 
 
 def accept_or_recover(draft_token_ids: list[int], draft_probs: Optional[torch.Tensor],
@@ -67,45 +73,77 @@ def rejection_sample_one(draft_token_ids: list[int], draft_probs: Optional[torch
     return accepted + [recovered]
 
 
-def rejection_greedy_sample_reference(output_token_ids, cu_num_draft_tokens, draft_token_ids,
-                                      target_argmax, bonus_token_ids, is_greedy,
-                                      max_spec_len) -> None:
-    """The greedy rows of a batch, one request at a time: a draft is accepted while it is the
-    target's argmax; at the first mismatch the argmax is output instead (it counts as the
-    recovered token); if every draft passed, the bonus follows. A -1 placeholder never matches.
-    ``output_token_ids`` ``[batch, max_spec_len + 1]`` int32, written in place."""
-    start = 0
-    for i, (end, greedy) in enumerate(zip(cu_num_draft_tokens.tolist(), is_greedy.tolist())):
-        if greedy:
-            out = []
-            for draft, argmax in zip(draft_token_ids[start:end].tolist(),
-                                     target_argmax[start:end].tolist()):
-                out.append(argmax)
-                if draft != argmax:
-                    break
-            else:
-                out.append(int(bonus_token_ids[i]))
-            output_token_ids[i, :len(out)] = torch.tensor(out, dtype=torch.int32)
-        start = end
+class ReferenceRejectionBackend:
+    """The ``"reference"`` backend (the tour's ``--plain``): the article's rule one request at a
+    time, and the base the other backends override, each in a file of its own: "torch"
+    (rejection_torch.py), "triton" (rejection_kernels.py), "block" (rejection_block.py). As vLLM's
+    ``CustomOp.forward_native`` is the plain PyTorch its platform paths replace, a backend
+    overrides what it does faster or by another rule and inherits the rest.
 
+    ``rejection_sample`` (rejection_sampler.py) calls each path once, with keyword arguments, and
+    ``apply_sampling_constraints`` calls ``expand_batch_to_tokens``. Every method reads the drafts'
+    layout from ``metadata`` (``SpecDecodeMetadata``: ``draft_token_ids`` ``[num_tokens]``,
+    ``num_draft_tokens``, ``cu_num_draft_tokens`` ``[batch]``, ``max_spec_len``), where vLLM's
+    kernels take those fields one by one. ``output_token_ids`` ``[batch, max_spec_len + 1]`` int32,
+    pre-filled with -1, is written in place; ``is_greedy`` ``[batch]`` bool says which rows each
+    path writes."""
 
-def rejection_random_sample_reference(output_token_ids, num_draft_tokens, cu_num_draft_tokens,
-                                      draft_token_ids, draft_probs, target_probs, bonus_token_ids,
-                                      uniform_probs, is_greedy, generators) -> None:
-    """The random rows of a batch, one request at a time by the rule above, with the rejection
-    sampler's uniform draws (the tour's spec.7 shows them); a seeded request draws its recovered
-    token with its own generator. ``output_token_ids`` ``[batch, max_spec_len + 1]`` int32, written
-    in place; the other arguments as in ``rejection_torch.race_random_sample``."""
-    start = 0
-    for i, (end, greedy) in enumerate(zip(cu_num_draft_tokens.tolist(), is_greedy.tolist())):
-        if not greedy:
-            drafts = draft_token_ids[start:end].tolist()
-            accepted, recovered = accept_or_recover(
-                drafts, None if draft_probs is None else draft_probs[start:end],
-                target_probs[start:end], uniform_probs[start:end].tolist(), generators.get(i))
-            out = accepted + [int(bonus_token_ids[i]) if recovered is None else recovered]
-            output_token_ids[i, :len(out)] = torch.tensor(out, dtype=torch.int32)
-        start = end
+    @staticmethod
+    def expand_batch_to_tokens(x: torch.Tensor, metadata: SpecDecodeMetadata, replace_from=0,
+                               replace_to=0) -> torch.Tensor:
+        """vLLM's ``expand_batch_to_tokens``: ``x`` ``[batch, ...]`` -> ``[num_tokens, ...]``, each
+        request's row repeated over its drafts (``x = [a, b, c]``, ``cu_num_draft_tokens = [2, 5,
+        6]`` -> ``[a, a, b, b, b, c]``), ``replace_from`` swapped for ``replace_to`` (temperature 0
+        -> 1)."""
+        cu_num_tokens = metadata.cu_num_draft_tokens
+        if replace_from != replace_to:
+            x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+        counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
+        return x.repeat_interleave(counts, dim=0, output_size=metadata.draft_token_ids.numel())
+
+    @staticmethod
+    def rejection_greedy_sample(*, output_token_ids: torch.Tensor, metadata: SpecDecodeMetadata,
+                                target_argmax: torch.Tensor, bonus_token_ids: torch.Tensor,
+                                is_greedy: torch.Tensor) -> None:
+        """The greedy rows, one request at a time: a draft is accepted while it is the target's
+        argmax (``target_argmax`` ``[num_tokens]``); at the first mismatch the argmax is output
+        instead (it counts as the recovered token); if every draft passed, the bonus
+        (``bonus_token_ids`` ``[batch, 1]``) follows. A -1 placeholder never matches."""
+        cu, start = metadata.cu_num_draft_tokens.tolist(), 0
+        for i, (end, greedy) in enumerate(zip(cu, is_greedy.tolist())):
+            if greedy:
+                out = []
+                for draft, argmax in zip(metadata.draft_token_ids[start:end].tolist(),
+                                         target_argmax[start:end].tolist()):
+                    out.append(argmax)
+                    if draft != argmax:
+                        break
+                else:
+                    out.append(int(bonus_token_ids[i]))
+                output_token_ids[i, :len(out)] = torch.tensor(out, dtype=torch.int32)
+            start = end
+
+    @staticmethod
+    def rejection_random_sample(*, output_token_ids: torch.Tensor, metadata: SpecDecodeMetadata,
+                                draft_probs: Optional[torch.Tensor], target_probs: torch.Tensor,
+                                bonus_token_ids: torch.Tensor, uniform_probs: torch.Tensor,
+                                is_greedy: torch.Tensor,
+                                generators: dict[int, torch.Generator]) -> None:
+        """The random rows, one request at a time by ``accept_or_recover``, with the rejection
+        sampler's uniform draws ``uniform_probs`` ``[num_tokens]`` (the tour's spec.7 shows them);
+        a seeded request (its row in ``generators``) draws its recovered token with its own
+        generator. ``draft_probs`` (``None``: one-hot drafts) and ``target_probs`` ``[num_tokens,
+        vocab]``."""
+        cu, start = metadata.cu_num_draft_tokens.tolist(), 0
+        for i, (end, greedy) in enumerate(zip(cu, is_greedy.tolist())):
+            if not greedy:
+                drafts = metadata.draft_token_ids[start:end].tolist()
+                accepted, recovered = accept_or_recover(
+                    drafts, None if draft_probs is None else draft_probs[start:end],
+                    target_probs[start:end], uniform_probs[start:end].tolist(), generators.get(i))
+                out = accepted + [int(bonus_token_ids[i]) if recovered is None else recovered]
+                output_token_ids[i, :len(out)] = torch.tensor(out, dtype=torch.int32)
+            start = end
 
 
 def block_verify(draft_token_ids: list[int], draft_probs: Optional[torch.Tensor],

@@ -1,6 +1,6 @@
 """Verify drafts against the target model, mirroring vllm/v1/sample/rejection_sampler.py.
 
-Article step "accept/reject left to right". ``RejectionSampler(backend)(metadata, draft_probs,
+Article step 7, "accept/reject left to right". ``RejectionSampler(backend)(metadata, draft_probs,
 target_logits, bonus_token_ids, sampling_metadata)`` returns int32 ``[batch, max_spec_len + 1]``:
 per request its accepted drafts, then one more token (the *recovered* token at the first rejection,
 or the *bonus* token when every draft passed), then ``PLACEHOLDER_TOKEN_ID`` (-1).
@@ -13,23 +13,21 @@ or the *bonus* token when every draft passed), then ``PLACEHOLDER_TOKEN_ID`` (-1
 - ``bonus_token_ids``: ``[batch, 1]``, sampled elsewhere from the logits after the last draft.
 
 Random rows accept draft x iff ``p_draft(x) > 0`` and ``p_target(x) / p_draft(x) >= u``, ``u ~ U[0, 1)``;
-on rejection the recovered token is drawn from ``normalize(max(p_target - p_draft, 0))``. Each output
-position is then distributed exactly as the target (Leviathan et al. 2023). A draft id of -1
+on rejection the recovered token is drawn from ``normalize(max(p_target - p_draft, 0))``. Each
+output position is then distributed exactly as the target (Leviathan et al. 2023). A draft id of -1
 (``PLACEHOLDER_TOKEN_ID``: an async-scheduling placeholder with no real draft behind it, vLLM 0.32's
 rejection_sampler.py ``draft_token_id < 0``) is always rejected, on greedy and random rows and in
 every backend, and its recovered token comes from ``p_target`` alone; no kernel reads a
 probability at index -1.
 
-The backends, each in a file of its own, chosen in ``rejection_sample`` by an ``if`` on the
-configured name: "reference" says the article's rule as it reads, one request at a time
-(``rejection_reference.py``; the tour's ``--plain``); "torch" (the torch loop,
-``rejection_torch.py``) and "triton" (the kernels in ``rejection_kernels.py``, imported when they
-first run, so a CPU run never loads Triton) sample the residual by vLLM's exponential race
-(``race_random_sample``), so that their ids equal vLLM 0.32's from the same draws; "block"
-(``rejection_sample_method="block"``: ``rejection_block.py``) judges each request's drafts jointly. The uniform draws
-are made here in torch, once, for every backend. The torch loop writes its output as the article
-does (``accept_left_to_right``: per request, left to right, stop at the first rejection), the loop
-each program of the Triton kernels runs, and on a CPU it is the fast path.
+``rejection_sample`` is vLLM's orchestration: the greedy rows, the uniform draws (made here in
+torch, once, for every backend), the random rows. Each path is one call of a backend, chosen by
+name when the sampler is built (``REJECTION_BACKENDS``): "reference", the article's rule as it
+reads, one request at a time, and the base the others override (rejection_reference.py; the tour's
+``--plain``); "torch", vLLM's kernels as torch loops and on a CPU the fast path
+(rejection_torch.py); "triton", the kernels themselves (rejection_kernels.py); "block", block
+verification (``rejection_sample_method="block"``: rejection_block.py). "torch" and "triton" sample
+the residual by vLLM's exponential race, so that their ids equal vLLM 0.32's from the same draws.
 
 Before the rule, the target's logits get what plain sampling would apply at each draft's position
 (vLLM's ``apply_logits_processors`` and ``apply_sampling_constraints``, below).
@@ -45,14 +43,24 @@ import torch
 from torch import nn
 
 from minivllm import trace
-from minivllm.sample import rejection_reference, rejection_torch
 from minivllm.sample.metadata import SamplingMetadata
+from minivllm.sample.rejection_reference import ReferenceRejectionBackend
 from minivllm.sample.sampler import apply_temperature, apply_top_k_top_p
+from minivllm.utils import resolve_obj_by_qualname
 
-if TYPE_CHECKING:   # annotations only: the drafts' metadata loads with speculative decoding
+if TYPE_CHECKING:   # annotations only
     from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
 
 PLACEHOLDER_TOKEN_ID = -1
+
+# The backends by name, each a class beside this file; resolved when the sampler is built, so a
+# backend is imported only once it is chosen (a CPU run never imports Triton).
+REJECTION_BACKENDS: dict[str, str] = {
+    "reference": "minivllm.sample.rejection_reference.ReferenceRejectionBackend",
+    "torch": "minivllm.sample.rejection_torch.TorchRejectionBackend",
+    "triton": "minivllm.sample.rejection_kernels.TritonRejectionBackend",
+    "block": "minivllm.sample.rejection_block.BlockRejectionBackend",
+}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -67,31 +75,23 @@ def _is_greedy(sampling_metadata: SamplingMetadata, batch_size: int, device) -> 
     return sampling_metadata.temperature == GREEDY_TEMPERATURE
 
 
-def expand_batch_to_tokens_torch(x, cu_num_tokens, num_tokens, max_spec_len, replace_from=0,
-                                 replace_to=0) -> torch.Tensor:
-    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
-    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
-    return x.repeat_interleave(counts, output_size=num_tokens)
-
-
 def apply_sampling_constraints(logits: torch.Tensor, metadata: SpecDecodeMetadata,
-                               sampling_metadata: SamplingMetadata, backend: str = "torch") -> torch.Tensor:
+                               sampling_metadata: SamplingMetadata,
+                               backend: type[ReferenceRejectionBackend] = ReferenceRejectionBackend,
+                               ) -> torch.Tensor:
     """Temperature, min_p, top-k and top-p per draft token: each request's values repeated over its
-    drafts (vLLM 0.32 leaves min_p out here; applying it keeps every position distributed as the
-    plain sampler's)."""
+    drafts by ``backend.expand_batch_to_tokens`` (vLLM 0.32 leaves min_p out here; applying it
+    keeps every position distributed as the plain sampler's)."""
     if sampling_metadata.all_greedy:
         return logits
-    expand = expand_batch_to_tokens_torch
-    if backend == "triton":
-        from minivllm.sample.rejection_kernels import expand_batch_to_tokens_triton as expand
-    n, cu, msl = logits.shape[0], metadata.cu_num_draft_tokens, metadata.max_spec_len
-    temperature = expand(sampling_metadata.temperature, cu, n, msl, GREEDY_TEMPERATURE, 1.0)
-    top_k = None if sampling_metadata.top_k is None else expand(sampling_metadata.top_k, cu, n, msl)
-    top_p = None if sampling_metadata.top_p is None else expand(sampling_metadata.top_p, cu, n, msl)
+    expand = backend.expand_batch_to_tokens
+    temperature = expand(sampling_metadata.temperature, metadata, GREEDY_TEMPERATURE, 1.0)
+    top_k = None if sampling_metadata.top_k is None else expand(sampling_metadata.top_k, metadata)
+    top_p = None if sampling_metadata.top_p is None else expand(sampling_metadata.top_p, metadata)
     logits = apply_temperature(logits, temperature)
     if sampling_metadata.min_p is not None:
         from minivllm.sample.ops.builtin import apply_min_p
-        logits = apply_min_p(logits, expand(sampling_metadata.min_p, cu, n, msl))
+        logits = apply_min_p(logits, expand(sampling_metadata.min_p, metadata))
     return apply_top_k_top_p(logits, top_k, top_p)
 
 
@@ -142,53 +142,45 @@ def generate_uniform_probs(num_tokens: int, num_draft_tokens: list[int],
 
 # ---------------------------------------------------------------------------------------------------
 
-def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
-                     target_probs, target_argmax, bonus_token_ids, sampling_metadata,
-                     backend: str = "torch") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Output ``[batch, max_spec_len + 1]`` int32 and the uniform draws (``None`` if all greedy).
-    Greedy rows first, then the random ones, each by ``backend``'s own function."""
-    batch_size, device = len(num_draft_tokens), draft_token_ids.device
-    output = torch.full((batch_size, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int32,
-                        device=device)
+def rejection_sample(metadata: SpecDecodeMetadata, draft_probs: Optional[torch.Tensor],
+                     target_probs: Optional[torch.Tensor], target_argmax: Optional[torch.Tensor],
+                     bonus_token_ids: torch.Tensor, sampling_metadata: SamplingMetadata,
+                     backend: type[ReferenceRejectionBackend],
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """vLLM's ``rejection_sample``: output ``[batch, max_spec_len + 1]`` int32, and the uniform
+    draws ``[num_tokens]`` (``None`` if every row is greedy). ``target_argmax`` ``[num_tokens]``
+    (``None`` if no row is greedy) and ``target_probs`` ``[num_tokens, vocab]`` (``None`` if every
+    row is greedy). vLLM passes the metadata's fields one by one; here ``backend`` reads from
+    ``metadata`` what its rule needs."""
+    batch_size, device = len(metadata.num_draft_tokens), metadata.draft_token_ids.device
+    output_token_ids = torch.full((batch_size, metadata.max_spec_len + 1), PLACEHOLDER_TOKEN_ID,
+                                  dtype=torch.int32, device=device)
     is_greedy = _is_greedy(sampling_metadata, batch_size, device)
     if not sampling_metadata.all_random:
-        greedy_args = (output, cu_num_draft_tokens, draft_token_ids, target_argmax,
-                       bonus_token_ids, is_greedy, max_spec_len)
-        if backend == "reference":
-            rejection_reference.rejection_greedy_sample_reference(*greedy_args)
-        elif backend in ("torch", "block"):   # a greedy row keeps the argmax's run either way
-            rejection_torch.rejection_greedy_sample_torch(*greedy_args)
-        else:
-            from minivllm.sample import rejection_kernels
-            rejection_kernels.rejection_greedy_sample_triton(*greedy_args)
+        # Rejection sampling for greedy sampling requests.
+        backend.rejection_greedy_sample(output_token_ids=output_token_ids, metadata=metadata,
+                                        target_argmax=target_argmax,
+                                        bonus_token_ids=bonus_token_ids, is_greedy=is_greedy)
         if sampling_metadata.all_greedy:
-            return output, None
-    generators = sampling_metadata.generators
-    uniform_probs = generate_uniform_probs(draft_token_ids.numel(), num_draft_tokens, generators, device)
-    random_args = (output, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs,
-                   target_probs, bonus_token_ids, uniform_probs, is_greedy, generators)
-    if backend == "reference":   # the article's rule, one request at a time
-        rejection_reference.rejection_random_sample_reference(*random_args)
-    elif backend == "block":     # block verification (rejection_sample_method="block")
-        from minivllm.sample.rejection_block import block_random_sample
-        block_random_sample(*random_args)
-    elif backend == "torch":     # vLLM's race, in torch
-        rejection_torch.race_random_sample(rejection_torch.sample_recovered_tokens_torch,
-                                           rejection_torch.rejection_random_sample_torch,
-                                           *random_args)
-    else:                        # vLLM's race, in the Triton kernels
-        from minivllm.sample import rejection_kernels
-        rejection_torch.race_random_sample(rejection_kernels.sample_recovered_tokens_triton,
-                                           rejection_kernels.rejection_random_sample_triton,
-                                           *random_args)
-    return output, uniform_probs
+            return output_token_ids, None
+    # Generate uniform probabilities for rejection sampling (the random rows').
+    uniform_probs = generate_uniform_probs(metadata.draft_token_ids.numel(),
+                                           metadata.num_draft_tokens, sampling_metadata.generators,
+                                           device)
+    # Rejection sampling for random sampling requests: accepted drafts, then a recovered token.
+    backend.rejection_random_sample(output_token_ids=output_token_ids, metadata=metadata,
+                                    draft_probs=draft_probs, target_probs=target_probs,
+                                    bonus_token_ids=bonus_token_ids, uniform_probs=uniform_probs,
+                                    is_greedy=is_greedy, generators=sampling_metadata.generators)
+    return output_token_ids, uniform_probs
 
 
 class RejectionSampler(nn.Module):
-    """``backend``: "torch", "triton", "reference" (the article's rule as it reads:
-    rejection_reference.py), "block" (block verification, ``rejection_sample_method="block"``:
-    rejection_block.py), or "auto": ``$MINIVLLM_REJECTION_SAMPLER`` when set (the tour's
-    ``--plain`` sets "reference"), else Triton on CUDA and the torch loop otherwise.
+    """``backend``: a name in ``REJECTION_BACKENDS`` ("reference": the article's rule as it reads;
+    "torch"; "triton"; "block": block verification, ``rejection_sample_method="block"``), or
+    "auto": ``$MINIVLLM_REJECTION_SAMPLER`` when set (the tour's ``--plain`` sets "reference"), else
+    Triton on CUDA and the torch loop otherwise. ``self.backend`` keeps the name, ``self.backend_cls``
+    the class ``rejection_sample`` calls.
 
     With ``record = True`` (or inside a recording trace step) each call leaves ``last_record``: per request, per
     position up to and including the emitted token, a dict with draft_token_id (None for a bonus),
@@ -203,10 +195,12 @@ class RejectionSampler(nn.Module):
         if backend == "auto":
             backend = os.environ.get("MINIVLLM_REJECTION_SAMPLER") or (
                 "triton" if torch.cuda.is_available() else "torch")
-        if backend not in ("torch", "triton", "reference", "block"):
+        if backend not in REJECTION_BACKENDS:
             raise ValueError(f"backend must be 'auto', 'torch', 'triton', 'reference' or 'block' "
                              f"(also for MINIVLLM_REJECTION_SAMPLER), got {backend!r}.")
         self.backend = backend
+        self.backend_cls: type[ReferenceRejectionBackend] = resolve_obj_by_qualname(
+            REJECTION_BACKENDS[backend])
         self.record = False
         self.last_record: Optional[list[list[dict]]] = None
         # The logits each draft was tested against ([num_draft_tokens, vocab], after the logits
@@ -216,24 +210,21 @@ class RejectionSampler(nn.Module):
     def forward(self, metadata: SpecDecodeMetadata, draft_probs: Optional[torch.Tensor],
                 target_logits: torch.Tensor, bonus_token_ids: torch.Tensor,
                 sampling_metadata: SamplingMetadata) -> torch.Tensor:
-        metadata.check_verify_inputs(draft_probs, target_logits, bonus_token_ids,
-                                     sampling_metadata)
+        metadata.check_verify_inputs(draft_probs, target_logits, bonus_token_ids, sampling_metadata)
         if draft_probs is not None:
             draft_probs = draft_probs.float()
         # Penalties, bias, masks and min_tokens on each draft's own output position, the earlier
         # drafts counted as outputs: a draft is tested against what plain sampling would see there.
         logits = apply_draft_logits_processors(target_logits.float(), sampling_metadata, metadata)
-        logits = apply_sampling_constraints(logits, metadata, sampling_metadata, self.backend)
+        logits = apply_sampling_constraints(logits, metadata, sampling_metadata, self.backend_cls)
         self.last_target_logits = logits
         # As vLLM 0.32's rejection_sample: the argmax of the logits only if a row is greedy (the
         # token the Sampler picks; the probs' argmax could differ where softmax rounds), the
         # softmax only if a row is random.
         target_argmax = None if sampling_metadata.all_random else row_argmax(logits)
         target_probs = None if sampling_metadata.all_greedy else logits.softmax(-1, torch.float32)
-        output, uniform_probs = rejection_sample(
-            metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,
-            metadata.cu_num_draft_tokens, draft_probs, target_probs, target_argmax, bonus_token_ids,
-            sampling_metadata, self.backend)
+        output, uniform_probs = rejection_sample(metadata, draft_probs, target_probs, target_argmax,
+                                                 bonus_token_ids, sampling_metadata, self.backend_cls)
         if self.record or (trace.active and trace.is_recording()):
             # The model runner turns these into "spec_verify" trace events keyed by request id.
             self.last_record = self.make_record(metadata, sampling_metadata, target_logits,

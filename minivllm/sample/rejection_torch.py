@@ -1,22 +1,29 @@
-"""The rejection sampler's "torch" backend, beside rejection_sampler.py: the torch loop and vLLM
-0.32's exponential race, with the same signatures as the ``*_triton`` launchers in
-rejection_kernels.py. ``rejection_sampler._kernels`` imports it when a backend first runs: the
-greedy loop serves every backend, the race both "torch" and "triton".
+"""The rejection sampler's "torch" backend, ``TorchRejectionBackend``: the kernels of
+vllm/v1/sample/rejection_sampler.py as torch loops (article step 7, "accept/reject left to right"),
+so that its ids equal vLLM 0.32's from the same draws. It overrides the two paths of
+``ReferenceRejectionBackend`` (rejection_reference.py) and keeps its expansion.
 
 The torch loop writes its output as the article does (``accept_left_to_right``: per request, left
 to right, stop at the first rejection), the loop each program of the Triton kernels runs. On a CPU
 it is also the fast path: at batch 1-32 and k 1-5 the plain loop over Python lists takes 8-37 us, a
 cumprod/scatter vectorisation 110-150 us.
 
-Shapes as in rejection_kernels.py: ``output_token_ids`` ``[batch, max_spec_len + 1]`` int32,
-pre-filled with -1 and written in place; ``draft_token_ids``, ``uniform_probs`` ``[num_tokens]``;
-``draft_probs`` (or ``None`` for one-hot drafts) and ``target_probs`` ``[num_tokens, vocab]``.
+Shapes: ``output_token_ids`` ``[batch, max_spec_len + 1]`` int32, pre-filled with -1 and written in
+place; ``draft_token_ids``, ``uniform_probs`` ``[num_tokens]``; ``draft_probs`` (or ``None`` for
+one-hot drafts) and ``target_probs`` ``[num_tokens, vocab]``; ``cu_num_draft_tokens`` ``[batch]``
+inclusive cumsum.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
 import torch
 
+from minivllm.sample.rejection_reference import ReferenceRejectionBackend
 from minivllm.sample.sampler import exponential_noise
+
+if TYPE_CHECKING:   # annotations only
+    from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
 
 
 def random_accept_mask(draft_token_ids, draft_probs, target_probs, uniform_probs) -> torch.Tensor:
@@ -65,27 +72,24 @@ def accept_left_to_right(output_token_ids, rows, cu_num_draft_tokens, draft_toke
                            .view(output_token_ids.shape))
 
 
-def rejection_greedy_sample_torch(output_token_ids, cu_num_draft_tokens, draft_token_ids,
-                                  target_argmax, bonus_token_ids, is_greedy, max_spec_len) -> None:
-    """Greedy rows: a draft is accepted iff it is the target's argmax; at the first mismatch the
-    argmax is output instead (it counts as the recovered token)."""
-    accepted = draft_token_ids.long() == target_argmax.long()
-    accept_left_to_right(output_token_ids, is_greedy, cu_num_draft_tokens, draft_token_ids,
-                         accepted, target_argmax, bonus_token_ids)
-
-
 def rejection_random_sample_torch(output_token_ids, cu_num_draft_tokens, draft_token_ids, draft_probs,
                                   target_probs, bonus_token_ids, recovered_token_ids, uniform_probs,
-                                  is_greedy, max_spec_len) -> None:
-    """Random rows: a draft is accepted iff ``u <= p_target / p_draft`` (``random_accept_mask``,
-    evaluated for every draft at once: one draft's test does not depend on the others)."""
+                                  is_greedy) -> None:
+    """vLLM's ``rejection_random_sample_kernel``: on the random rows a draft is accepted iff
+    ``u <= p_target / p_draft`` (``random_accept_mask``, evaluated for every draft at once: one
+    draft's test does not depend on the others); at the first rejection its recovered token
+    (``recovered_token_ids`` ``[num_tokens]``) is output."""
     accepted = random_accept_mask(draft_token_ids, draft_probs, target_probs, uniform_probs)
     accept_left_to_right(output_token_ids, ~is_greedy, cu_num_draft_tokens, draft_token_ids,
                          accepted, recovered_token_ids, bonus_token_ids)
 
 
-def sample_recovered_tokens_torch(cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, q,
-                                  max_spec_len) -> torch.Tensor:
+def sample_recovered_tokens_torch(draft_token_ids: torch.Tensor, draft_probs: Optional[torch.Tensor],
+                                  target_probs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``sample_recovered_tokens_kernel``: each draft's recovered token ``[num_tokens]``,
+    ``argmax(residual / q)`` over the residual ``max(p_target - p_draft, 0)`` (one-hot drafts:
+    ``p_target`` without the draft). ``q`` ``[num_tokens, vocab]``: each draft's Exp(1) noise, its
+    request's row repeated (``expand_batch_to_tokens``)."""
     real = (draft_token_ids >= 0).unsqueeze(-1)
     idx = draft_token_ids.long().clamp(min=0).unsqueeze(-1)
     if draft_probs is None:
@@ -94,9 +98,7 @@ def sample_recovered_tokens_torch(cu_num_draft_tokens, draft_token_ids, draft_pr
         prob = (target_probs - draft_probs).clamp_min(0.0)
     # A placeholder drafted nothing: its recovered token is drawn from p_target itself.
     prob = torch.where(real, prob, target_probs)
-    counts = torch.diff(cu_num_draft_tokens.long(), prepend=cu_num_draft_tokens.new_zeros(1).long())
-    q_per_token = q.repeat_interleave(counts, dim=0, output_size=draft_token_ids.numel())
-    return (prob / q_per_token).argmax(dim=-1).to(draft_token_ids.dtype)
+    return (prob / q).argmax(dim=-1).to(draft_token_ids.dtype)
 
 
 def generate_recovery_noise(batch_size: int, vocab_size: int, num_draft_tokens: list[int],
@@ -106,20 +108,42 @@ def generate_recovery_noise(batch_size: int, vocab_size: int, num_draft_tokens: 
     return exponential_noise((batch_size, vocab_size), used, device)
 
 
-def race_random_sample(recover, random_sample, output_token_ids, num_draft_tokens,
-                       cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs,
-                       bonus_token_ids, uniform_probs, is_greedy, generators) -> None:
-    """Random rows as vLLM 0.32 samples them, so that the ids equal vLLM's from the same draws
-    (conformance case d): every draft's recovered token is drawn up front by an exponential race,
-    ``argmax(residual / q)`` with ``q ~ Exp(1)`` per request, which picks token ``t`` with
-    probability ``residual(t) / sum(residual)``: the same distribution as the article's draw from
-    ``normalize(max(p_target - p_draft, 0))`` (rejection_reference.py), without normalising.
-    ``recover`` and ``random_sample``: the backend's ``sample_recovered_tokens_*`` and
-    ``rejection_random_sample_*``."""
-    max_spec_len = output_token_ids.shape[1] - 1
-    q = generate_recovery_noise(len(num_draft_tokens), target_probs.shape[-1], num_draft_tokens,
-                                generators, target_probs.device)
-    recovered = recover(cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, q,
-                        max_spec_len)
-    random_sample(output_token_ids, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs,
-                  bonus_token_ids, recovered, uniform_probs, is_greedy, max_spec_len)
+class TorchRejectionBackend(ReferenceRejectionBackend):
+    """``"torch"``: the batch as vLLM's kernels take it, one loop over Python lists."""
+
+    @staticmethod
+    def rejection_greedy_sample(*, output_token_ids: torch.Tensor, metadata: SpecDecodeMetadata,
+                                target_argmax: torch.Tensor, bonus_token_ids: torch.Tensor,
+                                is_greedy: torch.Tensor) -> None:
+        """vLLM's ``rejection_greedy_sample_kernel``: on the greedy rows a draft is accepted iff it
+        is the target's argmax; at the first mismatch the argmax is output instead (it counts as
+        the recovered token)."""
+        accepted = metadata.draft_token_ids.long() == target_argmax.long()
+        accept_left_to_right(output_token_ids, is_greedy, metadata.cu_num_draft_tokens,
+                             metadata.draft_token_ids, accepted, target_argmax, bonus_token_ids)
+
+    @staticmethod
+    def rejection_random_sample(*, output_token_ids: torch.Tensor, metadata: SpecDecodeMetadata,
+                                draft_probs: Optional[torch.Tensor], target_probs: torch.Tensor,
+                                bonus_token_ids: torch.Tensor, uniform_probs: torch.Tensor,
+                                is_greedy: torch.Tensor,
+                                generators: dict[int, torch.Generator]) -> None:
+        """The random rows as vLLM 0.32 samples them, so that the ids equal vLLM's from the same
+        draws (conformance case d): every draft's recovered token is drawn up front by an
+        exponential race, ``argmax(residual / q)`` with ``q ~ Exp(1)`` per request, which picks
+        token ``t`` with probability ``residual(t) / sum(residual)``: the same distribution as the
+        article's draw from ``normalize(max(p_target - p_draft, 0))`` (rejection_reference.py),
+        without normalising. Then the drafts are accepted left to right."""
+        num_draft_tokens = metadata.num_draft_tokens
+        q = generate_recovery_noise(len(num_draft_tokens), target_probs.shape[-1], num_draft_tokens,
+                                    generators, target_probs.device)
+        recovered_token_ids = sample_recovered_tokens_torch(
+            draft_token_ids=metadata.draft_token_ids, draft_probs=draft_probs,
+            target_probs=target_probs,
+            q=ReferenceRejectionBackend.expand_batch_to_tokens(q, metadata))
+        rejection_random_sample_torch(
+            output_token_ids=output_token_ids, cu_num_draft_tokens=metadata.cu_num_draft_tokens,
+            draft_token_ids=metadata.draft_token_ids, draft_probs=draft_probs,
+            target_probs=target_probs, bonus_token_ids=bonus_token_ids,
+            recovered_token_ids=recovered_token_ids, uniform_probs=uniform_probs,
+            is_greedy=is_greedy)

@@ -12,16 +12,15 @@ For a batch of ``batch`` requests with ``num_draft_tokens[i]`` drafts each (``nu
 | ``bonus_logits_indices`` | ``[batch]`` int32 | row of the selected logits for each bonus token |
 | ``logits_indices`` | ``[num_tokens + batch]`` int32 | hidden-state rows to compute logits for |
 
-``max_spec_len = max(num_draft_tokens)`` is derived after construction unless given. The model
-runner fills the index tensors (``ModelRunner._calc_spec_decode_metadata``); ``make_dummy`` zeroes
-them, which is enough for the rejection sampler alone: it only reads the drafts and their counts.
-``check_verify_inputs`` holds the rejection sampler's checks of its inputs against the drafts
-(its ``ValueError``s), beside ``RejectionSampler.forward``, which calls it first.
+``max_spec_len = max(num_draft_tokens)`` is derived after construction unless given. Article step 6
+(``ModelRunner._calc_spec_decode_metadata``) fills the index tensors; ``make_dummy`` zeroes them,
+which is enough for the rejection sampler alone (article step 7): it only reads the drafts and
+their counts. ``check_verify_inputs`` holds the rejection sampler's checks of its inputs against
+the drafts (its ``ValueError``s).
 
-It is defined here, in sampling, because the rejection sampler reads it and sampling sits below
-speculative decoding (the drafters sample: ``spec_decode`` imports ``sample``, never the other way
-round); ``minivllm.spec_decode.metadata`` re-exports it under vLLM's path, and the model runner
-imports it from there.
+It is defined in sampling, whose rejection sampler reads it, because sampling sits below
+speculative decoding in the layers (the drafters sample); ``minivllm.spec_decode.metadata`` names
+the same class at vLLM's path.
 """
 from __future__ import annotations
 

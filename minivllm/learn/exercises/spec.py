@@ -82,10 +82,9 @@ def _residual_reference_frequencies(p: torch.Tensor, q: torch.Tensor, draws: int
     gen = torch.Generator().manual_seed(seed)
     vocab = p.numel()
     noise = torch.empty(draws, vocab, dtype=torch.float32).exponential_(generator=gen)
-    cu = torch.arange(1, draws + 1, dtype=torch.int32)
     draft_ids = torch.zeros(draws, dtype=torch.int32)
-    tokens = sample_recovered_tokens_torch(cu, draft_ids, q.float().expand(draws, vocab),
-                                           p.float().expand(draws, vocab), noise, 1)
+    tokens = sample_recovered_tokens_torch(draft_ids, q.float().expand(draws, vocab),
+                                           p.float().expand(draws, vocab), noise)
     return torch.bincount(tokens.long(), minlength=vocab).double() / draws
 
 

@@ -6,10 +6,12 @@ logits only (delta row 11). ``forward`` here asks the given sampler for the bonu
 minivllm's, and returns vLLM's ``SamplerOutput``. Logprobs are not in minivllm."""
 from __future__ import annotations
 
+import itertools
 
 from minivllm.sample import rejection_sampler as _mini
 from minivllm.sample import rejection_torch as _mini_torch
 from minivllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
+from minivllm.spec_decode.metadata import SpecDecodeMetadata
 from vllm import _missing
 from vllm.v1.sample.sampler import SamplerOutput
 
@@ -38,8 +40,11 @@ def sample_recovered_tokens(max_spec_len, num_draft_tokens, cu_num_draft_tokens,
     q = _mini_torch.generate_recovery_noise(len(num_draft_tokens), target_probs.shape[-1],
                                             list(num_draft_tokens), sampling_metadata.generators,
                                             device)
-    recovered = _mini_torch.sample_recovered_tokens_torch(
-        cu_num_draft_tokens, draft_token_ids.reshape(-1), draft_probs, target_probs, q, max_spec_len)
+    flat = draft_token_ids.reshape(-1)
+    ids, starts = flat.tolist(), [0, *itertools.accumulate(num_draft_tokens)]
+    md = SpecDecodeMetadata.make_dummy([ids[a:b] for a, b in zip(starts, starts[1:])], device)
+    q_per_draft = _mini_torch.TorchRejectionBackend.expand_batch_to_tokens(q, md)
+    recovered = _mini_torch.sample_recovered_tokens_torch(flat, draft_probs, target_probs, q_per_draft)
     return recovered.reshape(draft_token_ids.shape)
 
 

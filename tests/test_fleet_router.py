@@ -47,12 +47,15 @@ def recorded(tiny_llama_dir):
     out = llm.generate([{"prompt_token_ids": turn1}],
                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0].token_ids
+    # Until a quiet 0.3 s after the first batch (10 s at most). Every poll's batches are kept: a
+    # batch that a poll returns and nobody keeps is a block the index never hears of.
     batches = []
     deadline = time.monotonic() + 10
-    while not batches or sub.poll(0.3):
-        batches += sub.poll(0.3)
-        if time.monotonic() > deadline:
+    while time.monotonic() < deadline:
+        got = sub.poll(0.3)
+        if not got and batches:
             break
+        batches += got
     sub.close()
     publisher.shutdown()
     return turn1, list(out), [b for _, b in batches]

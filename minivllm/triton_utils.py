@@ -13,7 +13,7 @@ import would have produced. ``triton_backend_problem`` runs a tiny kernel that u
 ``LLM(...)`` can refuse a Triton backend that cannot run, with the cause and the fix, before any work.
 
 ``KernelLaunch`` is one kernel call spelled out (grid, arguments, constexprs, launch options). The
-launchers build one and run it; ``minivllm.triton_aot`` builds the same object from stand-in
+launchers build one and run it; ``minivllm.bench.triton_aot`` builds the same object from stand-in
 tensors and compiles it ahead of time for real GPU targets, so the two cannot drift apart.
 """
 from __future__ import annotations

@@ -79,7 +79,7 @@ def test_side_threads_keep_off_openmp_and_the_engine_thread_keeps_its_count(tiny
     import torch
 
     from minivllm.engine.async_llm import AsyncLLM
-    from minivllm.threads import keep_off_openmp
+    from minivllm.utils import keep_off_openmp
     mine = torch.get_num_threads()
     seen = {}
 

@@ -1,6 +1,6 @@
 """Every Triton kernel compiles for real GPUs (sm_75, sm_80, sm_90) on this GPU-less machine.
 
-One module-scoped run compiles every configuration of ``minivllm.triton_aot.aot_cases()`` in two
+One module-scoped run compiles every configuration of ``minivllm.bench.triton_aot.aot_cases()`` in two
 worker processes (Triton's on-disk cache makes a second run in the same place fast); the tests
 read its results per kernel and architecture. A last test runs the real launchers (interpreted)
 and checks that every launch they make is one of the configurations compiled here, so the
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm import triton_aot
-from minivllm.triton_aot import ARCHS, aot_cases, build_launch, launch_key
+from minivllm.bench import triton_aot
+from minivllm.bench.triton_aot import ARCHS, aot_cases, build_launch, launch_key
 
 KERNELS = sorted({c.kernel for c in aot_cases()})
 

@@ -9,6 +9,7 @@ on ``F.linear`` until a later process times it)."""
 import importlib
 import os
 import sys
+from typing import Optional
 
 BENCHMARKS = {"throughput": "minivllm.bench.throughput", "spec": "minivllm.bench.spec",
               "pd": "minivllm.bench.pd", "gpu": "minivllm.bench.gpu",
@@ -17,16 +18,20 @@ BENCHMARKS = {"throughput": "minivllm.bench.throughput", "spec": "minivllm.bench
               "fleet": "minivllm.bench.fleet"}
 
 
-def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in BENCHMARKS:
-        raise SystemExit(f"usage: python -m minivllm.bench {{{','.join(BENCHMARKS)}}} [options]")
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = f"usage: python -m minivllm.bench {{{','.join(BENCHMARKS)}}} [options]"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage + "\n\n" + __doc__)
+        return
+    if not argv or argv[0] not in BENCHMARKS:
+        raise SystemExit(usage)
     os.environ.setdefault("MINIVLLM_TUNING_BUDGET_S", "inf")
-    run = importlib.import_module(BENCHMARKS[sys.argv[1]]).main
-    if any(a == "--markdown" or a.startswith("--markdown=") for a in sys.argv[2:]):
+    run = importlib.import_module(BENCHMARKS[argv[0]]).main
+    if any(a == "--markdown" or a.startswith("--markdown=") for a in argv[1:]):
         from minivllm.bench.results import capture_markdown   # also writes bench/RESULTS.md
-        return capture_markdown(sys.argv[1], sys.argv[2:], run)
-    run(sys.argv[2:])
-
+        return capture_markdown(argv[0], argv[1:], run)
+    run(argv[1:])
 
 if __name__ == "__main__":
     main()

@@ -5,7 +5,7 @@
    rejection sampler's kernels, given the same random draws.
    On a GPU also the attention kernel's time and achieved bandwidth, as a fraction of the GPU's
    copy bandwidth (a 1 GiB device-to-device copy). ``--compile-only`` compiles every kernel
-   configuration ahead of time for sm_75/sm_80/sm_90 instead (no GPU needed: minivllm.triton_aot).
+   configuration ahead of time for sm_75/sm_80/sm_90 instead (no GPU needed: minivllm.bench.triton_aot).
 2. The whole engine on random weights at SmolLM2-135M's shapes (no checkpoint travels to a GPU
    machine): greedy output with ``attention_backend="triton"`` against ``"torch"``, n-gram spec
    decoding against plain decoding, and decode throughput for 1 and 32 requests.
@@ -190,7 +190,7 @@ def check_engine(device: str, quick: bool) -> None:
 
 def compile_only(jobs: int) -> int:
     """Print the ahead-of-time compile table; non-zero exit on any compile error or misfit."""
-    from minivllm.triton_aot import aot_cases, compile_all, format_table
+    from minivllm.bench.triton_aot import aot_cases, compile_all, format_table
     t0 = time.perf_counter()
     print(f"Compiling {len(aot_cases())} kernel configurations for sm_75, sm_80 and sm_90 "
           f"({jobs} processes) ...", flush=True)

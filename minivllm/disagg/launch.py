@@ -262,7 +262,7 @@ def _netloc(host: str, port: int) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m minivllm.disagg.launch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefill", type=int, default=1, help="number of prefill instances")
     ap.add_argument("--decode", type=int, default=1, help="number of decode instances")

@@ -277,7 +277,7 @@ def build_app(proxy: DisaggProxy, api_keys: tuple[str, ...] = (),
 
 def main(argv: Optional[list[str]] = None) -> None:
     import uvicorn
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m minivllm.disagg.proxy", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefill", nargs="+", required=True, help="prefill instance URLs")
     ap.add_argument("--decode", nargs="+", required=True, help="decode instance URLs")

@@ -156,7 +156,7 @@ def _probs_or_dummy(draft_probs: Optional[torch.Tensor], target_probs: torch.Ten
 
 
 # Each ``*_launch`` maps inputs to one ``KernelLaunch`` (grid, arguments, constexprs); the launcher
-# runs it and ``minivllm.triton_aot`` compiles the same launch for GPU targets ahead of time.
+# runs it and ``minivllm.bench.triton_aot`` compiles the same launch for GPU targets ahead of time.
 
 def expand_launch(output, x, cu_num_tokens, max_spec_len, replace_from=0,
                   replace_to=0) -> KernelLaunch:

@@ -28,7 +28,7 @@ from minivllm.distributed.kv_transfer.redis_store import redis_errors
 from minivllm.distributed.kv_transfer.redis_store_metadata import RedisReqMeta
 from minivllm.distributed.kv_transfer.storage import (copy_to_device, copy_to_host,
                                                       wait_for_copies_to_host)
-from minivllm.threads import keep_off_openmp
+from minivllm.utils import keep_off_openmp
 
 
 class RedisStoreWorkerMixin:
@@ -104,7 +104,7 @@ class RedisStoreWorkerMixin:
             if req.load_async:
                 if self._loader is None:
                     # keep_off_openmp: its copies into the cache must not start an OpenMP team
-                    # beside the engine's (minivllm/threads.py)
+                    # beside the engine's (minivllm/utils.py keep_off_openmp)
                     self._loader = ThreadPoolExecutor(1, thread_name_prefix="minivllm-kv-load",
                                                       initializer=keep_off_openmp)
                 with self._lock:

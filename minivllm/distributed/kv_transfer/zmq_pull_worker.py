@@ -35,7 +35,7 @@ import torch
 from minivllm.distributed.kv_transfer.base import KVConnectorRole
 from minivllm.distributed.kv_transfer.zmq_pull_curve import CurveSecurity, warn_if_open
 from minivllm.distributed.kv_transfer.zmq_pull_metadata import RecvReqMeta
-from minivllm.threads import keep_off_openmp
+from minivllm.utils import keep_off_openmp
 
 logger = logging.getLogger(__name__)
 KV_LAYOUT = "[2, num_blocks, block_size, num_kv_heads, head_dim]"
@@ -258,7 +258,7 @@ class ZmqPullWorkerMixin:
         for req in (md.reqs_to_recv if md is not None else []):
             if self._pulls is None:
                 # keep_off_openmp: their copies into the cache must not start OpenMP teams
-                # beside the engine's (minivllm/threads.py)
+                # beside the engine's (minivllm/utils.py keep_off_openmp)
                 self._pulls = ThreadPoolExecutor(self._num_pull_threads,
                                                  thread_name_prefix="minivllm-kv-pull",
                                                  initializer=keep_off_openmp)

@@ -35,7 +35,7 @@ from minivllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCom
                                                   CompletionRequest, CompletionResponse,
                                                   ErrorResponse, ModelList, now)
 from minivllm.entrypoints.openai.serving import OpenAIServing
-from minivllm.threads import keep_off_openmp
+from minivllm.utils import keep_off_openmp
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -200,7 +200,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     stop_when_idle(server)          # idle TLS connections must not hold up a stop (tls.py)
 
     def serve_http() -> None:
-        keep_off_openmp()   # no OpenMP team beside the engine's (minivllm/threads.py)
+        keep_off_openmp()   # no OpenMP team beside the engine's (minivllm/utils.py keep_off_openmp)
         try:
             server.run(sockets=[sock])
         finally:               # also when uvicorn could not start (say, a bad certificate)

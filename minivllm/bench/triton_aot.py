@@ -280,7 +280,7 @@ def compile_all(archs: Optional[list[int]] = None, jobs: int = 2,
                 json.dump({"cases": unique[j::jobs], "archs": archs}, f)
             outs.append(out)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "minivllm.triton_aot", "--worker", job, out], env=env,
+                [sys.executable, "-m", "minivllm.bench.triton_aot", "--worker", job, out], env=env,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         try:
             logs = [p.communicate(timeout=3600)[0] for p in procs]

@@ -36,6 +36,11 @@ def test_readme_is_short_and_every_block_parses(tmp_path):
         c["module"] for lang, code in BLOCKS if lang == "json" for c in json.loads(code)["configurations"]}
     for module in modules:
         assert importlib.util.find_spec(module) is not None, module
+    from minivllm.cli import COMMANDS
+    commands = set(re.findall(r"`minivllm (\w+)", README)) | {
+        c for lang, code in BLOCKS if lang == "bash" for c in re.findall(r"^minivllm (\w+)", code, re.M)}
+    for command in commands:
+        assert command in COMMANDS, f"README runs `minivllm {command}`, which is no subcommand"
 
 
 def test_readme_breakpoint_table_matches_the_registry():

@@ -84,13 +84,15 @@ def test_overlays_are_chosen_from_the_configuration(tiny_llama_dir, tmp_path):
 # files, 1,052 lines, 221 functions. The goals: verify at most 27 files, P/D at most 29.
 WALK_CEILINGS = {
     # 720 lines and 149 functions until ModelRunner.num_spec_tokens_to_schedule (one line, one
-    # call) let dynamic k override k alone instead of a copy of propose_draft_token_ids; 720 lines
-    # again since Scheduler._make_cached_request_data tests `req in resumed_reqs` in its `if`.
-    "verify": {"files": 27, "lines": 720, "functions": 150},
+    # call) let dynamic k override k alone instead of a copy of propose_draft_token_ids; 717 lines
+    # since the methods went back to their classes (Scheduler._make_cached_request_data tests
+    # `req in resumed_reqs` in its `if`; the rejection sampler calls its backend by keyword once
+    # per path; RMSNorm picks its forward when its weight moves, not per call).
+    "verify": {"files": 27, "lines": 717, "functions": 150},
     # 1058 lines and 219 functions until LLM.generate froze the GC heap around its steps
     # (utils.frozen_gc_heap, vLLM's freeze_gc_heap: 0.35 s less of full collections per run of
-    # bench vllm's 8-request suffix workload).
-    "pd": {"files": 29, "lines": 1064, "functions": 220},
+    # bench vllm's 8-request suffix workload); 1062 since the methods went back to their classes.
+    "pd": {"files": 29, "lines": 1062, "functions": 220},
 }
 
 

@@ -21,13 +21,13 @@ BLOCKS = re.findall(r"^```(\w*)\n(.*?)^```", README, re.S | re.M)
 
 def test_readme_is_short_and_every_block_parses(tmp_path):
     assert len(README.splitlines()) < 300
-    assert {lang for lang, _ in BLOCKS} <= {"bash", "python", "json"}
+    assert {lang for lang, _ in BLOCKS} <= {"bash", "python", "json", "text"}   # text: the tree
     for lang, code in BLOCKS:
         if lang == "python":
             ast.parse(code)
         elif lang == "json":
             json.loads(code)
-        else:
+        elif lang == "bash":
             script = tmp_path / "block.sh"
             script.write_text(code)
             proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)

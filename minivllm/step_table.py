@@ -272,7 +272,7 @@ def _spec6(frame: Any, tour: Any) -> list[str]:
 def _spec7(frame: Any, tour: Any) -> list[str]:
     """spec.7: which rule ran, and each row's emitted tokens as text."""
     rule = ("block verification (rejection_sample_method='block')"
-            if frame.f_locals.get("backend") == "block" else "the article's token-wise rule")
+            if frame.f_locals["self"].backend == "block" else "the article's token-wise rule")
     if tour.tokenizer is None:
         return [f"rule: {rule}"]
     return [f"rule: {rule}"] + [f"row {i}: emits {decoded(tour.tokenizer, row)}"

@@ -5,7 +5,7 @@
   the Redis and ZMQ connectors) or vLLM 0.32's overlays, directly or through another module;
 - the engine and the server (every engine package and the basics) never import the learning aids
   (``minivllm.learn``: the tour, viz, exercises, notebooks, then-and-now);
-- the layers (learning aids -> engine -> worker -> core -> KV transfer -> spec decode -> sampling ->
+- the layers (learning aids -> engine -> worker -> core -> KV transfer -> sampling -> spec decode ->
   model -> attention -> basics): no import runs back up, not even one for annotations only;
 - no import circles between sibling modules or packages, counting every import (those under
   ``TYPE_CHECKING`` and inside functions too); and none between any two modules

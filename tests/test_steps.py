@@ -210,6 +210,23 @@ def test_the_banner_names_the_locals_and_says_why(monkeypatch, capsys):
     assert not steps.at_step("spec.4", True)        # each id stops once
 
 
+@pytest.mark.parametrize("method,rule", [
+    ("standard", "the article's token-wise rule"),
+    ("block", "block verification (rejection_sample_method='block')")])
+def test_the_spec7_note_names_the_rule_that_ran(tiny_llama_dir, monkeypatch, capsys, method, rule):
+    """The spec.7 stop says which rule verified the drafts: the sampler's backend, read from the
+    frame of ``RejectionSampler.forward``."""
+    monkeypatch.delenv("MINIVLLM_BREAK", raising=False)
+    monkeypatch.delenv("MINIVLLM_REJECTION_SAMPLER", raising=False)
+    monkeypatch.setattr(sys, "breakpointhook", lambda *a, **k: None)
+    monkeypatch.setattr(steps, "quiet", False)
+    llm = tiny_llm(tiny_llama_dir, dict(NGRAM, rejection_sample_method=method), break_at=["spec.7"])
+    generate_tokens(llm, PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    err = capsys.readouterr().err
+    assert "minivllm step spec.7:" in err
+    assert f"why: rule: {rule}" in err, err[-2000:]
+
+
 def test_every_step_is_one_row():
     """Everything about a stop is in its Step row: anchor, condition, what it needs and why."""
     for step in steps.STEPS:

@@ -47,7 +47,7 @@ import torch
 from minivllm.sample.rejection_torch import TorchRejectionBackend, generate_recovery_noise
 
 if TYPE_CHECKING:   # annotations only
-    from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
+    from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
 
 def joint_ratios_and_thresholds(num_draft_tokens: list[int], draft_token_ids: torch.Tensor,

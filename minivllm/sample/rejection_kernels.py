@@ -23,7 +23,7 @@ from minivllm.sample.rejection_torch import generate_recovery_noise
 from minivllm.triton_utils import KernelLaunch, tl, triton
 
 if TYPE_CHECKING:   # annotations only
-    from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
+    from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
 _MAX_VOCAB_BLOCK = 4096
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 if TYPE_CHECKING:   # annotations only
-    from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
+    from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
 
 def accept_or_recover(draft_token_ids: list[int], draft_probs: Optional[torch.Tensor],

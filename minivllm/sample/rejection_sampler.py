@@ -49,7 +49,7 @@ from minivllm.sample.sampler import apply_temperature, apply_top_k_top_p
 from minivllm.utils import resolve_obj_by_qualname
 
 if TYPE_CHECKING:   # annotations only
-    from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
+    from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -61,6 +61,32 @@ REJECTION_BACKENDS: dict[str, str] = {
     "triton": "minivllm.sample.rejection_kernels.TritonRejectionBackend",
     "block": "minivllm.sample.rejection_block.BlockRejectionBackend",
 }
+
+
+# ---------------------------------------------------------------------------------------------------
+# The inputs against the drafts.
+
+def check_verify_inputs(metadata: SpecDecodeMetadata, draft_probs: Optional[torch.Tensor],
+                        target_logits: torch.Tensor, bonus_token_ids: torch.Tensor,
+                        sampling_metadata: SamplingMetadata) -> None:
+    """``RejectionSampler.forward``'s inputs against ``metadata``'s drafts: one ``target_logits``
+    row per draft, ``draft_probs`` (when given) of the same shape, one bonus token and, unless
+    every row is greedy, one temperature per request; a ``ValueError`` naming the input otherwise
+    (vLLM asserts the shapes)."""
+    num_tokens, batch = metadata.draft_token_ids.numel(), len(metadata.num_draft_tokens)
+    if target_logits.dim() != 2 or target_logits.shape[0] != num_tokens:
+        raise ValueError(f"target_logits must be [num_draft_tokens={num_tokens}, vocab], "
+                         f"got {tuple(target_logits.shape)}.")
+    if draft_probs is not None and draft_probs.shape != target_logits.shape:
+        raise ValueError(f"draft_probs must match target_logits {tuple(target_logits.shape)}, "
+                         f"got {tuple(draft_probs.shape)}.")
+    if bonus_token_ids.numel() != batch:
+        raise ValueError(f"bonus_token_ids must be [batch={batch}, 1], "
+                         f"got {tuple(bonus_token_ids.shape)}.")
+    temperature = sampling_metadata.temperature
+    if not sampling_metadata.all_greedy and (temperature is None or temperature.numel() != batch):
+        raise ValueError(f"sampling_metadata.temperature must be [batch={batch}] unless all "
+                         f"greedy.")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -210,7 +236,7 @@ class RejectionSampler(nn.Module):
     def forward(self, metadata: SpecDecodeMetadata, draft_probs: Optional[torch.Tensor],
                 target_logits: torch.Tensor, bonus_token_ids: torch.Tensor,
                 sampling_metadata: SamplingMetadata) -> torch.Tensor:
-        metadata.check_verify_inputs(draft_probs, target_logits, bonus_token_ids, sampling_metadata)
+        check_verify_inputs(metadata, draft_probs, target_logits, bonus_token_ids, sampling_metadata)
         if draft_probs is not None:
             draft_probs = draft_probs.float()
         # Penalties, bias, masks and min_tokens on each draft's own output position, the earlier

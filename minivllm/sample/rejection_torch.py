@@ -23,7 +23,7 @@ from minivllm.sample.rejection_reference import ReferenceRejectionBackend
 from minivllm.sample.sampler import exponential_noise
 
 if TYPE_CHECKING:   # annotations only
-    from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
+    from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
 
 def random_accept_mask(draft_token_ids, draft_probs, target_probs, uniform_probs) -> torch.Tensor:

@@ -20,7 +20,7 @@ from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.rejection_torch import random_accept_mask
 
 if TYPE_CHECKING:   # annotations only: the drafts' metadata loads with speculative decoding
-    from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
+    from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
 
 def _processed_drafts_ignored(target_logits: torch.Tensor, md: SamplingMetadata,

@@ -5,12 +5,33 @@ attribute, so the runner never probes a drafter with ``getattr`` / ``hasattr``.
 Article, "Setup": the drafter is created at init device (``create_drafter``), its weights load at
 load model (``load_model``: a no-op for n-gram), and after each step's sampling it proposes up to k
 drafts per request (``propose_for_batch``, called by ``ModelRunner.propose_draft_token_ids``).
+
+A drafter with a model of its own (EAGLE, the draft model) turns its logits into drafts with its
+``draft_sampler``: the argmax here (``draft_sample_method="greedy"``, the default); vLLM 0.32's
+``"probabilistic"`` is a sampler beside it (worker/vllm_today/draft_probs.py).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
+import numpy as np
 import torch
+
+
+class DraftSampler:
+    """How a drafter turns its logits into drafts. This one is ``draft_sample_method="greedy"``
+    (vLLM's default): each draft is the argmax of the drafter's logits, with no distribution, so
+    the rejection sampler treats it as certain (``p_draft = 1``)."""
+
+    def __call__(self, logits: torch.Tensor, batch: Any, rows: np.ndarray,
+                 drafting_rows: Optional[set[int]] = None,
+                 ) -> tuple[np.ndarray, Optional[torch.Tensor]]:
+        """Draft ids ``[m]`` from ``logits`` ``[m, vocab]``, row ``r`` belonging to the persistent
+        batch's row ``rows[r]``, and the distributions ``[m, vocab]`` they were drawn from (``None``
+        here). ``drafting_rows``: the batch rows whose drafts are kept (all when ``None``); only
+        they may draw from their request's generator (a partial prefill chunk's draft is thrown
+        away)."""
+        return logits.argmax(dim=-1).cpu().numpy(), None
 
 
 class Proposer:
@@ -22,6 +43,9 @@ class Proposer:
     # Under P/D, the connector the drafter's first pass saves and loads its KV through (set by the
     # runner when the drafter's layers move with the target's; ``None``: the drafter's KV stays local).
     kv_connector: Any = None
+    # Turns the drafter's logits into drafts: the argmax; with draft_sample_method="probabilistic"
+    # the runner hands vLLM 0.32's sampler instead.
+    draft_sampler: DraftSampler = DraftSampler()
 
     def __init__(self) -> None:
         # draft_sample_method="probabilistic": req_id -> the distributions ``[num_drafts, vocab]``

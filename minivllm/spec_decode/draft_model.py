@@ -19,8 +19,9 @@ them only while an asynchronous KV load is pending); where a row has fewer slots
 One ``propose_for_batch`` call, per engine step, after the target sampled:
 1. catch-up, one multi-token pass over every row: feed the positions whose draft KV is not valid yet,
    up to the row's last real token (a partial prefill chunk: up to what the target computed). The
-   last logit of a drafting row gives draft 1 (argmax with ``draft_sample_method="greedy"``, the
-   default: the runner passes ``draft_probs=None``; "probabilistic": sampled, with its probs).
+   last logit of a drafting row gives draft 1 through the drafter's ``draft_sampler`` (the argmax
+   with ``draft_sample_method="greedy"``, the default: the runner passes ``draft_probs=None``;
+   "probabilistic": sampled, with its probs).
 2. k - 1 single-token passes, each feeding the previous draft at the next position.
 
 Validity: per request we remember which token id was fed at each position; the draft KV is valid on
@@ -41,7 +42,7 @@ import torch
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.config import SpeculativeConfig, VllmConfig
 from minivllm.forward_context import set_forward_context
-from minivllm.spec_decode.utils import DraftKVCacheMixin, sample_draft_tokens
+from minivllm.spec_decode.utils import DraftKVCacheMixin
 
 
 def validate_draft_model(spec: SpeculativeConfig, target_hf_config: Any) -> str:
@@ -108,7 +109,6 @@ class DraftModelProposer(DraftKVCacheMixin):
         self.max_model_len = vllm_config.model_config.max_model_len
         self.model: Any = None
         self.states: dict[str, _RequestDraftState] = {}
-        self.probabilistic = self.spec.draft_sample_method == "probabilistic"
 
     # ------------------------------------------------------------------ set-up
     def load_model(self, target_model: Any) -> None:
@@ -235,5 +235,5 @@ class DraftModelProposer(DraftKVCacheMixin):
         if len(sample_idx) == 0:
             return [], None
         logits = self.model.compute_logits(hidden[torch.from_numpy(sample_idx).to(dev)])
-        ids, probs = sample_draft_tokens(logits, batch, sample_rows, self.probabilistic)
+        ids, probs = self.draft_sampler(logits, batch, sample_rows)
         return ids.tolist(), probs

@@ -10,8 +10,9 @@ Once per engine step, after the target sampled (``propose_for_batch``):
    state at p (EAGLE-3: ``fc`` over the three aux states); each request's last position gets the
    token just sampled (a partial prefill chunk: the next prompt token). Positions and slots are the
    target's, so the draft's KV lands in the *same slots* of its own KV tensors (one block table).
-   The last position's logits give draft 1 (argmax with ``draft_sample_method="greedy"``, the
-   default, ``draft_probs=None``; sampled, with ``draft_probs``, when "probabilistic").
+   The last position's logits give draft 1 through the drafter's ``draft_sampler`` (the argmax
+   with ``draft_sample_method="greedy"``, the default, ``draft_probs=None``; sampled, with
+   ``draft_probs``, when "probabilistic").
 3. Passes 2..k, one token per request: the previous draft, at position + 1, with the draft's own
    fed-back state; slot from the block table (the scheduler reserved ``num_lookahead_tokens = k``
    slots). A position at or past ``max_model_len`` (or past the row's blocks) is clamped to 0 and
@@ -32,8 +33,7 @@ from minivllm import trace
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.config import VllmConfig
 from minivllm.forward_context import set_forward_context
-from minivllm.spec_decode.utils import (PADDING_SLOT_ID, DraftKVCacheMixin, TargetStepOutputs,
-                                        sample_draft_tokens)
+from minivllm.spec_decode.utils import PADDING_SLOT_ID, DraftKVCacheMixin, TargetStepOutputs
 
 
 def prepare_inputs(cu_target_query_lens: np.ndarray,
@@ -62,9 +62,6 @@ class EagleProposer(DraftKVCacheMixin):
         self.device, self.dtype = device, dtype
         self.max_model_len = vllm_config.model_config.max_model_len
         self.model: Any = None
-        self.probabilistic = self.spec.draft_sample_method == "probabilistic"
-        # req_id -> [num_drafts, vocab] float32: the distributions this step's drafts were drawn
-        # from (probabilistic only); the runner hands them to the rejection sampler next step.
         self._drafting: set[int] = set()   # batch rows that draft this step (own generator)
 
     prepare_inputs = staticmethod(prepare_inputs)
@@ -157,7 +154,7 @@ class EagleProposer(DraftKVCacheMixin):
                          self.max_model_len - int(seq_lens[i]) + 1)
             if usable > 0 and sampled[i]:
                 out[req_id] = [int(d[i]) for d in drafts[:usable]]
-                if self.probabilistic:
+                if pass_probs[0] is not None:   # drawn from q (probabilistic): keep q
                     self.last_draft_probs[req_id] = torch.stack(
                         [p[i] for p in pass_probs[:usable]])
         return out
@@ -186,8 +183,8 @@ class EagleProposer(DraftKVCacheMixin):
                                                  torch.from_numpy(positions.astype(np.int64)).to(dev),
                                                  hidden.to(self.dtype))
         sel = torch.from_numpy(sample_idx).to(dev)
-        draft, probs = sample_draft_tokens(self.model.compute_logits(logits_states[sel]), batch,
-                                           rows, self.probabilistic, self._drafting)
+        draft, probs = self.draft_sampler(self.model.compute_logits(logits_states[sel]), batch,
+                                          rows, self._drafting)
         if trace.active and trace.is_recording():
             trace.record("spec_draft_pass", method=self.method, pass_idx=j,
                          req_ids=[batch.req_ids[r] for r in rows],

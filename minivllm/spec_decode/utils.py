@@ -1,4 +1,6 @@
-"""What the learned drafters (EAGLE, EAGLE-3, Medusa) read from the target's step.
+"""What the learned drafters (EAGLE, EAGLE-3, Medusa) read from the target's step
+(``TargetStepOutputs``), and the KV caches of the drafters that keep their own
+(``DraftKVCacheMixin``: EAGLE's head, the draft model). Article spec step 2 (propose the drafts).
 
 vLLM's ``GPUModelRunner.propose_draft_token_ids`` passes these as arguments (target token ids,
 positions, hidden states, ``sample_hidden_states``, ``common_attn_metadata``); minivllm's runner keeps
@@ -66,28 +68,3 @@ class DraftKVCacheMixin(Proposer):
         bind_kv_caches(self.model.attn_layers().values(), num_blocks, block_size, self.dtype,
                        self.device)
 
-
-def sample_draft_tokens(logits: torch.Tensor, batch: "Any", rows: np.ndarray,
-                        probabilistic: bool, drafting_rows: Optional[set] = None,
-                        ) -> tuple[np.ndarray, Optional[torch.Tensor]]:
-    """Draft ids ``[m]`` (and with ``probabilistic`` their distributions ``[m, vocab]`` float32)
-    from ``logits`` ``[m, vocab]``, row ``r`` belonging to the persistent batch's row ``rows[r]``.
-
-    ``draft_sample_method="greedy"``: argmax, no probabilities (the rejection sampler then treats
-    each draft as certain, ``p_draft = 1``). ``"probabilistic"`` (vLLM 0.32,
-    ``llm_base_proposer.py``): each row is sampled from the drafter's own distribution at the
-    request's temperature / top-k / top-p, with the request's generator (seeded requests stay
-    reproducible); greedy requests still take the argmax. Only rows in ``drafting_rows`` draw
-    from their generator: a partial prefill chunk's draft is thrown away and must not advance it."""
-    if not probabilistic:
-        return logits.argmax(dim=-1).cpu().numpy(), None
-    from minivllm.sample.metadata import SamplingMetadata
-    from minivllm.sample.sampler import Sampler, compute_probs
-    params = [batch.sampling_params[batch.req_ids[r]] for r in rows]
-    gens = {i: batch.generators[r] for i, r in enumerate(rows)
-            if r in batch.generators and (drafting_rows is None or r in drafting_rows)}
-    sm = SamplingMetadata.from_params(params, gens, logits.device)
-    sm.min_tokens = {}   # drafts are verified against the masked target; q stays the drafter's
-    probs = compute_probs(logits, sm)
-    ids = Sampler()(logits, sm)
-    return ids.cpu().numpy(), probs

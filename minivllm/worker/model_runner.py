@@ -43,7 +43,7 @@ from minivllm.forward_context import set_forward_context
 from minivllm.model_executor.model_loader import load_model
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.sampler import Sampler
-from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
+from minivllm.spec_decode.metadata import SpecDecodeMetadata
 from minivllm.utils import cdiv
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
 from minivllm.worker.outputs import ExecuteModelState, ModelRunnerOutput

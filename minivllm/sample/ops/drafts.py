@@ -17,7 +17,7 @@ import torch
 from minivllm.sample.metadata import SamplingMetadata
 
 if TYPE_CHECKING:   # annotations only: the drafts' metadata loads with speculative decoding
-    from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
+    from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
 
 def combine_outputs_with_spec_tokens(output_token_ids: list[list[int]],

@@ -13,7 +13,7 @@ from minivllm.sample.logits_processor import apply_min_tokens
 from minivllm.sample.metadata import SamplingMetadata
 
 if TYPE_CHECKING:   # annotations only: the drafts' metadata loads with speculative decoding
-    from minivllm.sample.spec_decode_metadata import SpecDecodeMetadata
+    from minivllm.spec_decode.metadata import SpecDecodeMetadata
 from minivllm.sample.ops import drafts
 from minivllm.sample.ops.bad_words import apply_bad_words
 from minivllm.sample.ops.builtin import apply_allowed_token_ids, apply_logit_bias

@@ -5,10 +5,9 @@
 KV connector's ``start_load_kv(forward_context)`` finds the layers' caches through ``no_compile_layers``.
 
 vLLM keeps the worker-side connector in a process-wide global (``get_kv_transfer_group()``); we keep
-it on the context instead, so that a prefill and a decode instance can live in one Python process
-(tests and notebooks do this). For the same reason the context is per thread: two engines
-stepping in two threads of one process (a server's engine thread beside another instance) must
-not see, or restore, each other's context.
+it on the context instead, so that a prefill and a decode instance can live in one Python process.
+For the same reason the context is per thread: two engines stepping in two threads of one process
+(a server's engine thread beside another instance) must not see, or restore, each other's context.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ Ask with ``MINIVLLM_BREAK=spec.4,pd.lookup`` (or ``all``, or a group ``spec`` / 
 ``LLM(..., break_at=["spec.4"])``. ``python -m minivllm.tour spec|pd`` walks them in order. At exit,
 every requested id that never stopped is named, with the reason where it can be known.
 The ids, what each shows and why (its note) are in ``step_table.py``; ``steps.REGISTRY``,
-``steps.STEPS``, ``steps.GROUPS`` and ``steps.Step`` are its names, read on first use.
+``steps.STEPS``, ``steps.GROUPS`` and ``steps.Step`` are its names.
 """
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
-"""Step records: what the engine did at each step, for notebooks, widgets, tests and the debugger.
+"""Step records: what the engine did at each step, as events (minivllm's own, not a vLLM file).
 
 Recording is off by default and then costs one read of the module's ``active`` count per call
 site, and no call into this file. ``EngineCore.step()``
 opens a ``StepRecord`` when its ``Tracer`` is enabled; any code running inside that step (scheduler,
 KV cache manager, model runner, rejection sampler, KV connector) adds events with ``record(kind, ...)``.
-Widgets draw only from these records, never by recomputing what the engine did.
 
 Event kinds (each a plain dict with ``"kind"`` plus the fields listed):
 - ``"schedule"``: num_scheduled_tokens {req_id: n}, scheduled_spec_decode_tokens, preempted_req_ids,

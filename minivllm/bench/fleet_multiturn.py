@@ -3,7 +3,8 @@
 prefill + 2 decode), so that only routing differs: prompt tokens computed, prefix-cache hit rate
 against one engine with a cache big enough for everything, remote prefills skipped, TTFT, failures,
 and whether greedy outputs agree. Every number comes from the client's streams (their usage) and
-the fleet's own records (``routes``). ``--save`` writes what notebook 06 draws.
+the fleet's own records (``routes``). ``--save FILE`` writes the table and one example route as
+JSON.
 """
 from __future__ import annotations
 

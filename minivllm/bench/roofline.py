@@ -17,7 +17,7 @@ than a plain one-token step. This measures that cost and predicts each drafter f
    ``speed-up = tau / (V(k+1) + D)``; the break-even acceptance length is ``V(k+1) + D``.
 
 It prints predicted against measured speed-ups and writes ``--json`` (the numbers) and ``--figure``
-(the curve and the comparison), read by the last section of notebooks/05_learned_drafters.ipynb.
+(the curve and the comparison).
 Only this machine's curve is measured; no GPU curve is drawn unless one is run here.
 """
 from __future__ import annotations

@@ -161,8 +161,8 @@ def vllm_python() -> str:
 
 
 def vllm_env() -> dict:
-    """vLLM's CPU build on a small machine (shared/reference/vllm_cpu.md): all cores bound to its
-    worker, none reserved, a 1 GiB KV cache, nothing from a hub; no minivllm on its path."""
+    """vLLM's CPU build on a small machine: all cores bound to its worker, none reserved, a 1 GiB
+    KV cache, nothing from a hub; no minivllm on its path."""
     cpus = sorted(os.sched_getaffinity(0))
     bind = f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else \
         ",".join(map(str, cpus))

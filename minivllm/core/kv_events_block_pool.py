@@ -2,10 +2,11 @@
 ``enable_kv_cache_events`` branches of vllm/v1/core/block_pool.py (``kv_event_queue``,
 ``take_events``) and the per-step publishing at the end of vLLM's ``Scheduler.update_from_output``.
 
-Chosen at construction, beside the article's pool: ``attach_kv_events`` (called by ``LLM`` when
-``kv_events_config`` turns events on) gives the scheduler this pool before any block is used, and
-publishes one ``KVEventBatch`` after each step's ``update_from_output``. With events off (the
-default) nothing here is loaded and the article's ``BlockPool`` runs unchanged.
+Chosen at construction, beside the article's pool: with ``kv_events_config`` on,
+``attach_kv_events`` gives the scheduler this pool before any block is used, and publishes one
+``KVEventBatch`` after each step's ``update_from_output``. With events off (the default) the
+article's ``BlockPool`` runs unchanged. No article step: the events serve the KV-aware routing of a
+fleet of engines (disagg/fleet/), past the article.
 
 - ``cache_full_blocks`` -> ``BlockStored``: the newly cached blocks' hashes (``request.block_hashes``,
   the prefix cache's own keys), the parent hash, their token ids, the block size;

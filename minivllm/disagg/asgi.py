@@ -1,6 +1,6 @@
 """One HTTP request through an ASGI app in this process, streamed: how an engine replica runs the
-OpenAI server's own app for a request that reached it through a ``DeploymentHandle``
-(fleet/replicas.py, ``EngineReplica.generate``), with no socket between them.
+OpenAI server's own app for a request that reached it through a ``DeploymentHandle``, with no
+socket between them.
 
 ``httpx.ASGITransport`` would do the same but reads the whole body before it returns, and a
 stream's events must leave as the engine makes them; this passes them on as the app sends them.

@@ -11,13 +11,14 @@ config/kv_events.py.
 - ``KVEventBatch``: one engine step's events, with its time. msgspec's msgpack, the batch as an
   array ``[ts, events, data_parallel_rank]``, each event a map tagged by its class name: exactly
   what vLLM 0.32 sends, so a consumer written for vLLM (Ray Serve LLM's ``KVAwareRouter``, llm-d,
-  Dynamo) decodes ours (tests/conformance/test_k_kv_events.py).
+  Dynamo) decodes ours.
 - ``ZmqEventPublisher``: a PUB socket sends ``(topic, seq as 8 big-endian bytes, payload)``; a
   ROUTER socket (``replay_endpoint``) answers a subscriber that missed batches: it sends the
   starting seq, gets every buffered batch from there, then an end marker (seq -1).
 
 Off by default (``enable_kv_cache_events=False``); ``LLM(kv_events_config={...})`` turns it on
-(core/kv_events_block_pool.py: the pool that reports, chosen at construction). Nothing here is on the article's path.
+(core/kv_events_block_pool.py: the pool that reports, chosen at construction). No article step:
+the KV-aware routing of a fleet of engines (disagg/fleet/), past the article.
 """
 from __future__ import annotations
 

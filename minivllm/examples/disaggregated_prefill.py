@@ -15,7 +15,7 @@ it then finds the prefill's bfloat16 KV incompatible, warns, and recomputes.
 Note: the article's two prompts (5 and 7 tokens with SmolLM2's tokenizer) are shorter than one
 KV block (16 tokens). Only whole blocks move and the last prompt token is always recomputed, so
 here, as in vLLM, the files hold nothing to load ("KV loaded for 0 of 5 prompt tokens"). Add a
-prompt of 17+ tokens to see a transfer (``tests/test_pd_disaggregation.py`` does).
+prompt of 17+ tokens to see a transfer.
 """
 import os
 import time

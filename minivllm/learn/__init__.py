@@ -1,5 +1,5 @@
 """The learning aids around the article's engine (vLLM has none of these): they drive the engine
-and read its records (an import-linter contract keeps the engine and the server from importing them).
+and read its records.
 
 - ``tour.py``: ``python -m minivllm.tour spec|pd``, the article's runs stopping at each step (the
   stops themselves are the engine's: ``minivllm/steps.py``, ``minivllm/step_table.py``);

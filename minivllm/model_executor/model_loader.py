@@ -12,7 +12,7 @@ holding ``config.json``, ``*.safetensors`` and (usually) tokenizer files:
 - any other hub id: ``huggingface_hub.snapshot_download`` (needs the hub, or its local cache).
 
 This file handles the directory; the other three are beside it, in checkpoint_sources.py (and the
-one-time conversion or download in gguf_loader.py), loaded only when ``model`` is not a directory.
+one-time conversion or download in gguf_loader.py).
 
 ``load_model(path, dtype, device)`` builds ``LlamaForCausalLM`` on the meta device (no random
 init), materialises it on ``device`` and copies the tensors in by name.

@@ -1,7 +1,6 @@
 """RoPE frequency scaling for long contexts, mirroring vllm/model_executor/layers/rotary_embedding/
-(``LinearScalingRotaryEmbedding``, ``Llama3RotaryEmbedding``). ``RotaryEmbedding`` loads it only for
-a checkpoint whose ``rope_type`` is not ``"default"`` (the article's models need none), and refuses
-the types minivllm does not have.
+(``LinearScalingRotaryEmbedding``, ``Llama3RotaryEmbedding``), for a checkpoint whose ``rope_type``
+is not ``"default"`` (the article's models need none); the types minivllm does not have are refused.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""How ``kernel_choice`` times its candidates: loaded only when a (shape, rows) has no choice yet,
-neither from this process nor from the on-disk cache (``route_cache.py``).
+"""How ``kernel_choice`` times its candidates, for a (shape, rows) that has no choice yet, neither
+from this process nor from the on-disk cache (``route_cache.py``).
 
 Every weight of one shape is timed in turn, candidates interleaved, best of a few rounds; a
 candidate replaces ``f_linear`` only if it is at least ``MIN_GAIN`` faster.

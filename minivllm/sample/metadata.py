@@ -23,8 +23,7 @@ nothing:
   them as outputs at the later draft positions).
 - ``max_num_logprobs``: the largest ``logprobs`` of the batch (-1: whole vocabulary), or ``None``.
 
-Article step: the sampling that ends every step, and spec step 7 (the rejection sampler reads it
-too).
+Article step: the sampling that ends every step, and spec step 7 (rejection sampling).
 """
 from __future__ import annotations
 

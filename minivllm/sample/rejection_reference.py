@@ -17,7 +17,7 @@ The "torch" and "triton" backends compute the same rule for a whole batch so tha
 vLLM 0.32's from the same draws; there the residual is sampled by an exponential race,
 ``argmax(residual / q)`` with ``q ~ Exp(1)``, which picks token ``t`` with probability
 ``residual(t) / sum(residual)``: the same distribution as ``torch.multinomial`` on the normalised
-residual here (tests/test_rejection_article_rule.py checks the two agree). ``block_verify`` is
+residual here. ``block_verify`` is
 block verification's rule for one request, beside the article's.
 """
 from __future__ import annotations

@@ -17,8 +17,6 @@ The draw is the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)`` per vocab
 picks token x with probability ``p(x) / sum(p)``: ``q(x) / p(x)`` is Exp(p(x)), and the smallest of
 independent exponentials is x with probability proportional to its rate. It needs no cumulative sum
 and no normalisation, and a seeded row can draw its own ``q`` with its own generator.
-
-``apply_top_k_top_p`` and ``compute_probs`` are reused by the rejection sampler on per-token rows.
 """
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
-"""The rejection sampler's record of one verification, for the trace, the tour and the notebooks.
+"""The rejection sampler's record of one verification: the ``"spec_verify"`` step records
+(trace.py) of article step 7. minivllm's own: vLLM keeps only the counters of
+vllm/v1/spec_decode/metrics.py.
 
-``RejectionSampler.forward`` calls ``build_record`` only when someone records (``sampler.record``,
-or a recording trace step); it is not part of the article's step, so it lives beside it. Per
-request, per position up to and including the emitted token, one dict (see ``build_record``).
+A record is built only while a step is recorded (``sampler.record``, or a recording trace step); it
+is not part of the article's step, so it lives beside it. Per request, per position up to and
+including the emitted token, one dict (see ``build_record``).
 
 Beside each decision the record keeps the one the sampler would have made had the logits processors
 (penalties, bad words) ignored the drafts, each draft row counting only its request's committed

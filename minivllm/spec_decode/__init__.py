@@ -7,8 +7,8 @@ request's draft limit; what a drafter needs is declared (``uses_target_hidden_st
 ``has_kv_cache``). Drafters with ``uses_target_hidden_states = True`` read the target's step
 (``runner.target_step_outputs``, see utils.py).
 
-``DRAFTERS`` names each method's class by its dotted path, so importing this package (for
-``metadata.py`` or ``metrics.py``) loads no drafter.
+``DRAFTERS`` names each method's class by its dotted path; ``create_drafter`` builds the one the
+configuration names.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The drafter interface ``ModelRunner`` calls, in the spirit of vLLM 0.32's
-v1/spec_decode/llm_base_proposer.py: what a drafter does is a method, what it needs is a declared
-attribute, so the runner never probes a drafter with ``getattr`` / ``hasattr``.
+vllm/v1/spec_decode/llm_base_proposer.py: what a drafter does is a method, what it needs is a
+declared attribute, so the runner never probes a drafter with ``getattr`` / ``hasattr``.
 
 Article, "Setup": the drafter is created at init device (``create_drafter``), its weights load at
 load model (``load_model``: a no-op for n-gram), and after each step's sampling it proposes up to k

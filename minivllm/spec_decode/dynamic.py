@@ -1,5 +1,5 @@
 """Dynamic k: how many tokens to draft this step, from the batch size (vLLM 0.32:
-``vllm/v1/spec_decode/dynamic/utils.py``, read by ``Scheduler.schedule``).
+``vllm/v1/spec_decode/dynamic/utils.py``).
 
 Speculation spends verify compute: k drafts per request make the target score ``batch * (k + 1)``
 tokens per step. At batch 1 a decode step is bound by reading the weights, so the extra tokens ride

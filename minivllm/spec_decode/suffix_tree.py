@@ -3,8 +3,7 @@ arXiv 2411.04975) drafts from.
 
 vLLM 0.32's ``method="suffix"`` (vllm/v1/spec_decode/suffix_decoding.py) keeps its trees in
 arctic-inference's C++ ``SuffixTree`` (path-compressed, linear memory). This one is the same tree
-without the compression, one node per token, and gives the same drafts and scores
-(tests/conformance/test_j_suffix.py checks it on thousands of random cases).
+without the compression, one node per token, and gives the same drafts and scores.
 
 Every suffix of every sequence in the tree, cut at ``max_depth`` tokens, is a path from the root.
 A node's ``count`` is how many of those suffixes pass through it or end at it. The sequence

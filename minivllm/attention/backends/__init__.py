@@ -11,8 +11,6 @@ backend may keep what all layers of one step compute alike:
   ``CPUAttentionBackend``): length-sorted groups, one per-step plan shared by all layers;
 - ``"triton"``: the Triton kernels (``triton_attn.py``), interpreted on CPU (``TRITON_INTERPRET=1``);
 - ``"auto"``: Triton on CUDA, ``cpu_attn`` elsewhere (``resolve_attn_backend``).
-
-The Triton module is imported only when asked for, so the CPU backends never import Triton.
 """
 from __future__ import annotations
 

@@ -13,8 +13,6 @@ and ``triton_attn.py``, the same attention, scheduled for speed:
 - the plan (groups, gather indices, masks) depends only on the step's metadata: the first layer
   builds it (``build_plan``, the part of vLLM's ``CPUAttentionMetadataBuilder.build`` minivllm
   needs) and keeps it in ``AttentionMetadata.shared`` for the step's other layers.
-
-tests/test_attention_kernels.py checks it against the reference and the Triton kernels.
 """
 from __future__ import annotations
 

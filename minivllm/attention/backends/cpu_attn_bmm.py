@@ -6,8 +6,8 @@ products, and with a decode's few query rows (one per query head of the GQA grou
 is most of the call. Here the whole group is one gather and two ``bmm`` calls. In float32 the
 same path measured no faster than SDPA on a 2-core CPU, so float32 groups stay on SDPA.
 
-Imported by ``cpu_attn._attend`` only when such a group runs. tests/test_attention_kernels.py
-(``test_cpu_attn_bmm_path_matches_naive``) checks it against the naive attention.
+Part of minivllm's counterpart of vLLM's ``CPUAttentionBackend``
+(vllm/v1/attention/backends/cpu_attn.py), beside ``cpu_attn.py``.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The fleet's engine replicas and the named actor that keeps the fleet's records, as Ray Serve
 LLM's ``PDPrefillServer`` and ``PDDecodeServer`` (Ray 2.60's
 ``ray/llm/_internal/serve/serving_patterns/prefill_decode/pd_server.py``, over ``LLMServer`` in
-``core/server/llm_server.py``) are its replicas. No ``ray`` at module level: the classes become a
-Serve deployment and a named actor only when the fleet starts.
+``core/server/llm_server.py``) are its replicas. The classes become a Serve deployment and a
+named actor when the fleet starts.
 
 - ``EngineReplica``: one ``AsyncLLM`` (built as ``minivllm serve`` builds it) with its role's
   ``KVTransferConfig``. The ingress calls ``generate`` through a ``DeploymentHandle``, which runs

@@ -1,7 +1,7 @@
 """What a recording engine's ``"connector"`` trace events say about each call of a connector
 method marked ``@recorded`` (base.py): the call's arguments and result, what the connector decided
 (the folder a lookup found), and the bytes it moved (its storage counters' growth during the call).
-Loaded only when a step is recorded; the notebooks' P/D figures and the tours read these events.
+minivllm's step records of the article's P/D steps (trace.py), not a vLLM file.
 
 Fields per event: ``role``, ``method``, ``req_id`` (or None), ``args``, ``result``, ``bytes``
 (trace.py)."""

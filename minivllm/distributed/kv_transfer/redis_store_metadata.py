@@ -1,6 +1,6 @@
 """What ``RedisStoreConnector``'s scheduler half tells its worker half each step (vLLM: a
 connector's ``KVConnectorMetadata`` subclass, e.g. LMCache's behind
-vllm/distributed/kv_transfer/kv_connector/v1/lmcache_connector.py). Both halves import it.
+vllm/distributed/kv_transfer/kv_connector/v1/lmcache_connector.py).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """What ``ZmqPullConnector``'s scheduler half tells its worker half each step: the pulls to start
-(vLLM: the ``reqs_to_recv`` of ``NixlConnector``'s metadata, built from the ``kv_transfer_params``
-that ``update_state_after_alloc`` records). Both halves import it.
+(vLLM: the ``reqs_to_recv`` of ``NixlConnectorMetadata``,
+vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py, built from the
+``kv_transfer_params`` that ``update_state_after_alloc`` records).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""OpenAI's error JSON for every refusal, and the parts of /openapi.json that say so; shared by the
-server (api_server.py) and the P/D proxy (minivllm/disagg/proxy.py). vLLM's counterparts are
+"""OpenAI's error JSON for every refusal of the server and the P/D proxy, and the parts of
+/openapi.json that say so. vLLM's counterparts are
 ``ErrorResponse`` and the exception handlers in vllm/entrypoints/openai/api_server.py.
 
 - A body that does not validate is HTTP 400 (FastAPI's default is 422), ``error.param`` naming the

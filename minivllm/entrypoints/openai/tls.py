@@ -1,5 +1,5 @@
 """HTTPS for the server and the P/D proxy: vLLM's ``--ssl-keyfile`` / ``--ssl-certfile``, handed
-to uvicorn, and one fix for stopping.
+to uvicorn (``serve_http`` in vllm/entrypoints/launcher.py), and one fix for stopping.
 
 Over TLS, closing a connection sends ``close_notify`` and waits for the peer's answer (asyncio
 waits up to 30 s). A client that keeps an idle keep-alive connection open (an ``openai`` client,

@@ -1,7 +1,7 @@
 """vLLM 0.32's logits processors in the sampler's order, mirroring ``Sampler.apply_logits_processors``
 in vllm/v1/sample/sampler.py: the allowed-token mask, bad words, ``min_tokens``, logit bias, then the
-penalties. ``sampler.apply_logits_processors`` calls in here only when some row asked for one of
-them (``SamplingMetadata.needs_logits_processors``), so the article's sampler runs without this file.
+penalties. They run only for a batch where some row asked for one of them
+(``SamplingMetadata.needs_logits_processors``); the article's sampling needs none of them.
 """
 from __future__ import annotations
 

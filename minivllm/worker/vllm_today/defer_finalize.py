@@ -6,7 +6,9 @@ instead of slots nobody wrote. Only drafter layers with the target's KV layout c
 connector's files; with others the drafter's KV stays local (it recomputes), as in the article.
 
 The article's runner finalizes when the context manager is left (``wait_for_save`` on exit); here
-the context leaves the metadata bound and ``sample_tokens`` finalizes after the drafts.
+the context leaves the metadata bound and ``sample_tokens`` finalizes after the drafts. Mirrors
+``defer_finalize`` in vllm/v1/worker/gpu_model_runner.py and ``finalize_kv_connector`` in
+vllm/v1/worker/kv_connector_model_runner_mixin.py.
 """
 from __future__ import annotations
 

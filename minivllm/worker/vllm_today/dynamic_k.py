@@ -3,7 +3,7 @@ over the article's ``ModelRunner``: the article drafts ``num_speculative_tokens`
 the proposer asks ``spec_decode/dynamic.py``'s ``num_spec_tokens_to_schedule`` for this step's k,
 from the number of requests this step ran (vLLM's scheduler looks it up the same way and hands the
 worker ``num_spec_tokens_to_schedule``). At a batch size whose k is 0 nothing is drafted, so the
-next step is a plain decode step."""
+next step is a plain decode step. vLLM 0.32 keeps dynamic k in vllm/v1/spec_decode/dynamic/."""
 from __future__ import annotations
 
 from typing import Any

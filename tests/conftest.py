@@ -17,9 +17,7 @@ from quick import ALL, QUICK, quick_name
 
 
 # Tests that need the machine to themselves: ``tests/suite.py`` runs them after the others, alone.
-# Module -> the tests (ALL: the whole module), each with its reason. Also every test under
-# tests/conformance/: the real vLLM, one ~7 GB engine at a time with threads of its own, and a
-# per-session cache of its results that one process must hold whole.
+# Module -> the tests (ALL: the whole module), each with its reason.
 SERIAL: dict[str, "tuple[str, ...] | None"] = {
     # a real multi-node Ray cluster: its raylets, GCS and Serve replicas want every core
     "test_fleet.py": ALL,
@@ -27,15 +25,34 @@ SERIAL: dict[str, "tuple[str, ...] | None"] = {
     "test_fleet_policy.py": ("test_the_fleet_starts_a_ray_of_its_own_and_never_changes_the_callers_config",),
 }
 
+# Side by side, each module's tests run on one worker (their module-scoped fixtures, a model or a
+# server, are made once), and the conformance suite (tests/conformance/) on one worker as a whole:
+# its results are cached per session, and its vLLM runs on one thread and one core
+# (conformance/conftest.py), so the other worker keeps the other core. The longest groups are
+# handed out first, so that no worker is left with a long one at the end.
+CONFORMANCE_GROUP = "conformance"
+LONGEST_FIRST = (CONFORMANCE_GROUP, "test_triton_aot.py", "test_notebooks.py",
+                 "test_notebooks_browser.py", "test_security_http.py", "test_tour.py",
+                 "test_steps.py", "test_train.py", "test_viz.py", "test_serve_sampling_spec.py",
+                 "test_zmq_pull_faults.py", "test_pd_disaggregation.py", "test_engine.py")
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "quick: the quick tier (tests/quick.py), pytest -q -m quick")
     config.addinivalue_line("markers", "serial: runs alone, after the others (SERIAL, tests/suite.py)")
 
 
+def xdist_group_of(item) -> str:
+    if "conformance" in item.path.parts:
+        return CONFORMANCE_GROUP
+    return os.path.basename(str(item.path))
+
+
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
-    """Mark the quick tier (tests/quick.py). Under ``-m quick`` a name there that matches no
-    collected test is an error, so the table cannot go stale."""
+    """Mark the quick tier (tests/quick.py), the tests that run alone (SERIAL) and each test's
+    group for the side-by-side run, longest groups first. Under ``-m quick`` a name in QUICK that
+    matches no collected test is an error, so the table cannot go stale."""
     seen = set()
     for item in items:
         module = os.path.basename(str(item.path))
@@ -43,9 +60,12 @@ def pytest_collection_modifyitems(config, items):
         if entry is not None:
             item.add_marker(pytest.mark.quick)
             seen.add((module, entry or None))
-        if "conformance" in item.path.parts or (module in SERIAL and (SERIAL[module] is ALL or getattr(
-                item, "originalname", item.name) in SERIAL[module])):
+        if module in SERIAL and (SERIAL[module] is ALL or getattr(
+                item, "originalname", item.name) in SERIAL[module]):
             item.add_marker(pytest.mark.serial)
+        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
+    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda it: rank.get(xdist_group_of(it), len(rank)))   # stable: order kept within
     if not re.search(r"\bquick\b", config.option.markexpr or "") or config.option.keyword:
         return
     collected_modules = {os.path.basename(str(it.path)) for it in items}

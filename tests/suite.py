@@ -2,12 +2,13 @@
 
 Two pytest runs, one after the other:
 1. **Side by side.** Every test not marked ``serial``, on ``-n`` workers (pytest-xdist; one per core,
-   at most 2 unless ``MINIVLLM_TEST_WORKERS`` says otherwise), ``--dist loadscope`` so that a module's
-   fixtures (a model, a server) are made once, on one worker. Each worker runs torch on **one**
+   at most 2 unless ``MINIVLLM_TEST_WORKERS`` says otherwise), each group on one worker (``--dist
+   loadgroup``: a module, or the conformance suite; tests/conftest.py), the longest groups handed out
+   first (``--no-loadscope-reorder`` keeps that order). Each worker runs torch on **one**
    intra-op thread (``OMP_NUM_THREADS=1``): with two threads per worker on two cores the workers
    fight for the cores and the run is slower than serial.
-2. **Alone.** The tests marked ``serial`` (``SERIAL`` in tests/conftest.py: a Ray cluster, the real
-   vLLM, timings), with the machine to themselves and torch's default threads.
+2. **Alone.** The tests marked ``serial`` (``SERIAL`` in tests/conftest.py: a Ray cluster), with the
+   machine to themselves and torch's default threads.
 
 Arguments go to both runs (paths, ``-k``, ``-x``, ...); ``-m EXPR`` is combined with each run's own
 marker, so ``python tests/suite.py -m quick`` runs the quick tier the same way. The exit status is
@@ -52,7 +53,7 @@ def main(argv: list[str]) -> int:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     pytest = [sys.executable, "-m", "pytest", "-q"]
-    side_by_side = pytest + ["-n", str(workers()), "--dist", "loadscope",
+    side_by_side = pytest + ["-n", str(workers()), "--dist", "loadgroup", "--no-loadscope-reorder",
                              "-m", expr("not serial"), *rest]
     alone = pytest + ["-m", expr("serial"), *rest]
     one_thread = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

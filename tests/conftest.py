@@ -27,9 +27,9 @@ SERIAL: dict[str, "tuple[str, ...] | None"] = {
 
 # Side by side, each module's tests run on one worker (their module-scoped fixtures, a model or a
 # server, are made once), and the conformance suite (tests/conformance/) on one worker as a whole:
-# its results are cached per session, and its vLLM runs on one thread and one core
-# (conformance/conftest.py), so the other worker keeps the other core. The longest groups are
-# handed out first, so that no worker is left with a long one at the end.
+# its vLLM results are cached per session, and its vLLM engines start one at a time anyway (a lock
+# in conformance/conftest.py), so it is one long chain beside the other worker's modules. The
+# longest groups are handed out first, so that no worker is left with a long one at the end.
 CONFORMANCE_GROUP = "conformance"
 LONGEST_FIRST = (CONFORMANCE_GROUP, "test_triton_aot.py", "test_notebooks.py",
                  "test_notebooks_browser.py", "test_security_http.py", "test_tour.py",

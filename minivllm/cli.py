@@ -41,7 +41,8 @@ COMMANDS: dict[str, Command] = {
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    rows = [f"  {name:<{width}}  {c.help}  (python -m {c.python_m})" for name, c in COMMANDS.items()]
+    rows = [f"  {name:<{width}}  {c.help}  (python -m {c.python_m})"
+            for name, c in COMMANDS.items()]
     return ("usage: minivllm COMMAND [ARGS ...]   (minivllm COMMAND --help)\n\ncommands:\n"
             + "\n".join(rows))
 

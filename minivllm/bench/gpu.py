@@ -5,7 +5,8 @@
    rejection sampler's kernels, given the same random draws.
    On a GPU also the attention kernel's time and achieved bandwidth, as a fraction of the GPU's
    copy bandwidth (a 1 GiB device-to-device copy). ``--compile-only`` compiles every kernel
-   configuration ahead of time for sm_75/sm_80/sm_90 instead (no GPU needed: minivllm.bench.triton_aot).
+   configuration ahead of time for sm_75/sm_80/sm_90 instead (no GPU needed:
+   minivllm.bench.triton_aot).
 2. The whole engine on random weights at SmolLM2-135M's shapes (no checkpoint travels to a GPU
    machine): greedy output with ``attention_backend="triton"`` against ``"torch"``, n-gram spec
    decoding against plain decoding, and decode throughput for 1 and 32 requests.

@@ -11,7 +11,8 @@ instance answers ``/health``, and stops every child it started, by PID, on exit 
 
 ``start_cluster()`` / ``Cluster.stop()`` are the same thing as a Python API.
 
-Guards (see ``minivllm/entrypoints/openai/auth.py``, ``minivllm/distributed/kv_transfer/redis_server.py``,
+Guards (see ``minivllm/entrypoints/openai/auth.py``,
+``minivllm/distributed/kv_transfer/redis_server.py``,
 ``minivllm/distributed/kv_transfer/zmq_pull_curve.py``):
 - ``--api-key KEY`` (``auto``: a random one, printed once): every server and the proxy require it;
   children get it in their environment (``VLLM_API_KEY``), never on a command line;

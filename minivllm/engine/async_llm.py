@@ -255,7 +255,8 @@ class AsyncLLM:
             self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
     def _run_in_background(self, num_threads: int) -> None:
-        # The caller's count, not the default a side thread may have lowered (minivllm/utils.py keep_off_openmp).
+        # The caller's count, not the default a side thread may have lowered
+        # (utils.keep_off_openmp).
         torch.set_num_threads(num_threads)
         self._run()
 

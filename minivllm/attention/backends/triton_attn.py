@@ -150,7 +150,8 @@ def kernel_unified_attention(
 
 def reshape_and_cache_launch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                              slot_mapping: torch.Tensor) -> KernelLaunch:
-    """The ``reshape_and_cache_kernel`` call for these inputs (shared with ``minivllm.bench.triton_aot``)."""
+    """The ``reshape_and_cache_kernel`` call for these inputs (shared with
+    ``minivllm.bench.triton_aot``)."""
     num_tokens, num_kv_heads, head_size = key.shape
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     return KernelLaunch(
@@ -179,7 +180,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
 def unified_attention_launch(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                              seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                              out: torch.Tensor, interpreted: bool = INTERPRETED) -> KernelLaunch:
-    """The ``kernel_unified_attention`` call for these inputs (shared with ``minivllm.bench.triton_aot``).
+    """The ``kernel_unified_attention`` call for these inputs (shared with
+    ``minivllm.bench.triton_aot``).
 
     ``interpreted``: the kernels run in Triton's interpreter, which forces float32 dots."""
     num_tokens, num_heads, head_size = query.shape

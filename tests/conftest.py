@@ -28,13 +28,13 @@ SERIAL: dict[str, "tuple[str, ...] | None"] = {
 # Side by side, each module's tests run on one worker (their module-scoped fixtures, a model or a
 # server, are made once), and the conformance suite (tests/conformance/) on one worker as a whole:
 # its vLLM results are cached per session, and its vLLM engines start one at a time anyway (a lock
-# in conformance/conftest.py), so it is one long chain beside the other worker's modules. The
-# longest groups are handed out first, so that no worker is left with a long one at the end.
+# in conformance/conftest.py), so it is one long chain beside the other worker's modules.
+# The groups that are long by what they do, not by one day's timing, are handed out first, so that
+# no worker is left with one of them at the end: that chain of vLLM engines, every Triton kernel
+# compiled for three GPU architectures (long on a cold Triton cache), whole notebooks executed.
 CONFORMANCE_GROUP = "conformance"
-LONGEST_FIRST = (CONFORMANCE_GROUP, "test_triton_aot.py", "test_notebooks.py",
-                 "test_notebooks_browser.py", "test_security_http.py", "test_tour.py",
-                 "test_steps.py", "test_train.py", "test_viz.py", "test_serve_sampling_spec.py",
-                 "test_zmq_pull_faults.py", "test_pd_disaggregation.py", "test_engine.py")
+LONG_BY_CONSTRUCTION = (CONFORMANCE_GROUP, "test_triton_aot.py", "test_notebooks.py",
+                        "test_notebooks_browser.py")
 
 
 def pytest_configure(config):
@@ -51,7 +51,7 @@ def xdist_group_of(item) -> str:
 @pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     """Mark the quick tier (tests/quick.py), the tests that run alone (SERIAL) and each test's
-    group for the side-by-side run, longest groups first. Under ``-m quick`` a name in QUICK that
+    group for the side-by-side run, the long ones first. Under ``-m quick`` a name in QUICK that
     matches no collected test is an error, so the table cannot go stale."""
     seen = set()
     for item in items:
@@ -64,7 +64,7 @@ def pytest_collection_modifyitems(config, items):
                 item, "originalname", item.name) in SERIAL[module]):
             item.add_marker(pytest.mark.serial)
         item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
-    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+    rank = {group: i for i, group in enumerate(LONG_BY_CONSTRUCTION)}
     items.sort(key=lambda it: rank.get(xdist_group_of(it), len(rank)))   # stable: order kept within
     if not re.search(r"\bquick\b", config.option.markexpr or "") or config.option.keyword:
         return

@@ -3,8 +3,8 @@
 Two pytest runs, one after the other:
 1. **Side by side.** Every test not marked ``serial``, on ``-n`` workers (pytest-xdist; one per core,
    at most 2 unless ``MINIVLLM_TEST_WORKERS`` says otherwise), each group on one worker (``--dist
-   loadgroup``: a module, or the conformance suite; tests/conftest.py), the longest groups handed out
-   first (``--no-loadscope-reorder`` keeps that order). Each worker runs torch on **one**
+   loadgroup``: a module, or the conformance suite; tests/conftest.py), the groups that are long by what
+   they do handed out first (``--no-loadscope-reorder`` keeps that order). Each worker runs torch on **one**
    intra-op thread (``OMP_NUM_THREADS=1``): with two threads per worker on two cores the workers
    fight for the cores and the run is slower than serial.
 2. **Alone.** The tests marked ``serial`` (``SERIAL`` in tests/conftest.py: a Ray cluster), with the

@@ -42,16 +42,32 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "serial: runs alone, after the others (SERIAL, tests/suite.py)")
 
 
-def xdist_group_of(item) -> str:
-    if "conformance" in item.path.parts:
+def side_by_side_group(path: str) -> str:
+    """The side-by-side group of a test file (a path relative to the repository or absolute)."""
+    if "conformance" in os.path.normpath(path).split(os.sep):
         return CONFORMANCE_GROUP
-    return os.path.basename(str(item.path))
+    return os.path.basename(path)
 
 
-@pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the groups (--dist loadgroup)
+@pytest.hookimpl(optionalhook=True)   # a pytest-xdist hook: plain pytest runs without it
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` with our groups as its scopes: a test module, or the whole conformance
+    suite. (pytest-xdist's own ``--dist loadgroup`` cannot do it here: it renames the tests' node
+    ids, which pytest 9 no longer reads.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return side_by_side_group(nodeid.split("::", 1)[0])
+
+    return GroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark the quick tier (tests/quick.py), the tests that run alone (SERIAL) and each test's
-    group for the side-by-side run, the long ones first. Under ``-m quick`` a name in QUICK that
+    """Mark the quick tier (tests/quick.py) and the tests that run alone (SERIAL); the long groups
+    first. Under ``-m quick`` a name in QUICK that
     matches no collected test is an error, so the table cannot go stale."""
     seen = set()
     for item in items:
@@ -63,9 +79,9 @@ def pytest_collection_modifyitems(config, items):
         if module in SERIAL and (SERIAL[module] is ALL or getattr(
                 item, "originalname", item.name) in SERIAL[module]):
             item.add_marker(pytest.mark.serial)
-        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
     rank = {group: i for i, group in enumerate(LONG_BY_CONSTRUCTION)}
-    items.sort(key=lambda it: rank.get(xdist_group_of(it), len(rank)))   # stable: order kept within
+    # stable: each module keeps its order
+    items.sort(key=lambda it: rank.get(side_by_side_group(str(it.path)), len(rank)))
     if not re.search(r"\bquick\b", config.option.markexpr or "") or config.option.keyword:
         return
     collected_modules = {os.path.basename(str(it.path)) for it in items}

@@ -3,7 +3,7 @@
 Two pytest runs, one after the other:
 1. **Side by side.** Every test not marked ``serial``, on ``-n`` workers (pytest-xdist; one per core,
    at most 2 unless ``MINIVLLM_TEST_WORKERS`` says otherwise), each group on one worker (``--dist
-   loadgroup``: a module, or the conformance suite; tests/conftest.py), the groups that are long by what
+   loadscope`` with tests/conftest.py's scopes: a module, or the whole conformance suite), the groups that are long by what
    they do handed out first (``--no-loadscope-reorder`` keeps that order). Each worker runs torch on **one**
    intra-op thread (``OMP_NUM_THREADS=1``): with two threads per worker on two cores the workers
    fight for the cores and the run is slower than serial.
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     pytest = [sys.executable, "-m", "pytest", "-q"]
-    side_by_side = pytest + ["-n", str(workers()), "--dist", "loadgroup", "--no-loadscope-reorder",
+    side_by_side = pytest + ["-n", str(workers()), "--dist", "loadscope", "--no-loadscope-reorder",
                              "-m", expr("not serial"), *rest]
     alone = pytest + ["-m", expr("serial"), *rest]
     one_thread = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -76,6 +76,20 @@ def student_files(fn: Any) -> set[str]:
     return {c.co_filename for c in codes}
 
 
+def student_namespaces(fn: Any) -> list[dict]:
+    """The module namespaces the student's code reads its globals from (a notebook's is the
+    kernel's ``__main__``): a name imported there before the check ran still points at the
+    package's own function, so the guard replaces it there too."""
+    values = list(vars(fn).values()) if isinstance(fn, type) else [fn]
+    spaces: dict[int, dict] = {}
+    for value in values:
+        value = getattr(value, "__func__", value)
+        space = getattr(value, "__globals__", None)
+        if isinstance(space, dict):
+            spaces[id(space)] = space
+    return list(spaces.values())
+
+
 def _resolve(qualname: str) -> tuple[Any, str, Any]:
     """"pkg.module:Class.attr" -> (owner, attribute name, the attribute as stored on the owner)."""
     module, _, attrs = qualname.partition(":")
@@ -94,12 +108,23 @@ def no_forbidden_calls(name: str, fn: Any, forbidden: tuple[str, ...]) -> Iterat
     files = student_files(fn)
     caught: list[str] = []
     patched = []
+    restored: list[tuple[dict, str, Any]] = []   # the student's own names for a forbidden function
+    # The frames already on the stack belong to whoever runs the check (a notebook cell, a test):
+    # only the frames the check adds below them can be the student's code calling the step, even
+    # when the student's function and the call of the check share a cell.
+    # (Held, not just their ids, so that no new frame can reuse the id of one that has returned.)
+    outside_frames = []
+    frame = sys._getframe(0)
+    while frame is not None:
+        outside_frames.append(frame)
+        frame = frame.f_back
+    outside = {id(f) for f in outside_frames}
 
     def guard(qualname: str, original: Callable) -> Callable:
         @functools.wraps(original)
         def guarded(*args: Any, **kwargs: Any) -> Any:
             frame = sys._getframe(1)
-            while frame is not None:
+            while frame is not None and id(frame) not in outside:
                 if frame.f_code.co_filename in files:
                     caught.append(qualname)
                     raise ExerciseCheckError(
@@ -113,18 +138,27 @@ def no_forbidden_calls(name: str, fn: Any, forbidden: tuple[str, ...]) -> Iterat
     try:
         for qualname in forbidden if files else ():
             owner, attr, stored = _resolve(qualname)
-            original = stored.__func__ if isinstance(stored, (staticmethod, classmethod)) else stored
-            wrapped = guard(qualname, original)
+            original = stored.__func__ if isinstance(stored, (staticmethod, classmethod)) \
+                else stored
+            plain = wrapped = guard(qualname, original)
             if isinstance(stored, staticmethod):
-                wrapped = staticmethod(wrapped)
+                wrapped = staticmethod(plain)
             elif isinstance(stored, classmethod):
-                wrapped = classmethod(wrapped)
+                wrapped = classmethod(plain)
             setattr(owner, attr, wrapped)
             patched.append((owner, attr, stored))
+            for space in student_namespaces(fn):
+                for key, value in list(space.items()):
+                    if value is stored or value is original:
+                        space[key] = plain
+                        restored.append((space, key, value))
         yield
     finally:
+        for space, key, value in reversed(restored):
+            space[key] = value
         for owner, attr, stored in reversed(patched):
             setattr(owner, attr, stored)
+        outside_frames.clear()
     if caught:
         raise ExerciseCheckError(
             f"{name} calls {caught[0].replace(':', '.')}, the package's own implementation of "

@@ -1,9 +1,12 @@
-"""Checks for the speculative-decoding exercises in ``notebooks/04_exercises.ipynb``.
+"""Checks for the speculative-decoding assignment (``spec_decode``: notebook 04's source in
+``notebooks/course/source/spec_decode/``), and the helpers every check module shares.
 
-Each ``check_<name>(student_fn)`` runs the student's function on hand-made cases (expected values
-written out below) and on cases answered by minivllm's own implementation, then prints a one-line
-pass, or raises ``ExerciseCheckError`` naming the case, its inputs, the expected and the returned
-value (and a hint when the mistake is a common one).
+Each check is registered with ``@exercise`` (registry.py) and called by the notebook's test cell as
+``exercises.check_<name>(<name>, cases="visible" | "hidden" | "all")``. It runs the student's
+function on hand-made cases (expected values written out below) and, with the hidden cases, on
+cases answered by minivllm's own implementation; it prints one ``✓`` line on stdout, or raises
+``ExerciseCheckError`` naming the case, its inputs, the expected and the returned value, and a hint
+when the answer looks like a common mistake.
 
 | exercise | student writes | checked against |
 |---|---|---|
@@ -11,21 +14,31 @@ value (and a hint when the mistake is a common one).
 | last-match n-gram | ``propose_last_match(context, min_n, max_n, k)`` | hand cases; ``NgramProposer(match="last")`` |
 | blocks to allocate | ``num_blocks_to_allocate(num_computed_tokens, num_new_tokens, num_lookahead_tokens, num_held_blocks, block_size, max_model_len)`` | hand cases; ``KVCacheManager.allocate_slots`` |
 | spec-decode logits indices | ``spec_decode_logits_indices(num_scheduled_tokens, num_draft_tokens)`` | hand cases; ``ModelRunner._calc_spec_decode_metadata`` |
+
+The accept/reject rule, what a rejection gives back and block verification are in verify.py,
+dynamic k in dynamic_k.py, the suffix-tree walk in suffix.py.
 """
 from __future__ import annotations
 
 import random
+import warnings
+from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
+from minivllm.learn.exercises.registry import ExerciseCheckError, exercise
 
-class ExerciseCheckError(AssertionError):
-    """The student's function is unfinished, raised, or returned a wrong answer for a named case."""
+__all__ = ["ExerciseCheckError", "check_num_blocks_to_allocate", "check_propose_last_match",
+           "check_residual_distribution", "check_spec_decode_logits_indices",
+           "reference_spec_decode_logits_indices"]
+
+ASSIGNMENT = "spec_decode"
 
 
+# --------------------------------------------------------------------------- shared helpers
 def _fmt(x: Any) -> str:
     if isinstance(x, (torch.Tensor, np.ndarray, np.generic)):
         x = x.tolist()
@@ -44,6 +57,8 @@ def _call(name: str, fn: Callable, case: str, kwargs: dict[str, Any]) -> Any:
     except NotImplementedError:
         raise ExerciseCheckError(f"{name} is not written yet: replace `raise NotImplementedError` "
                                  "with your code, run its cell, then this check again.") from None
+    except ExerciseCheckError:   # the guard: the student's code called the package's own step
+        raise
     except Exception as e:   # the student's bug, reported with the input that triggered it
         raise ExerciseCheckError(f"{name} raised {type(e).__name__}: {e}\n  case: {case}\n  "
                                  f"input: {name}({shown})") from e
@@ -57,11 +72,39 @@ def _fail(name: str, case: str, kwargs: dict[str, Any], expected: Any, got: Any,
 
 
 def _passed(name: str, n_hand: int, n_ref: int, ref: str) -> bool:
+    """The pass line of a check outside the course registry (notebook 05's, 07's): returns True."""
     print(f"\u2713 {name}: {n_hand} hand-made cases and {n_ref} cases against {ref} pass.")
     return True
 
 
-# --------------------------------------------------------------------------- 1. residual distribution
+def _wants(cases: str) -> tuple[bool, bool]:
+    """(run the visible cases?, run the hidden ones?) for ``cases``."""
+    return cases in ("visible", "all"), cases in ("hidden", "all")
+
+
+def _pick(cases: str, visible: list, hidden: list) -> list:
+    """The hand-made cases ``cases`` selects, visible ones first."""
+    want_visible, want_hidden = _wants(cases)
+    return (visible if want_visible else []) + (hidden if want_hidden else [])
+
+
+def _done(name: str, cases: str, n_hand: int, n_ref: int = 0, ref: str = "") -> None:
+    """The one line a passed check prints (on stdout); it returns nothing (nbgrader would read a
+    returned value as partial credit)."""
+    against = f" and {n_ref} cases against {ref}" if n_ref else ""
+    which = "" if cases == "all" else f" ({cases} cases)"
+    print(f"\u2713 {name}: {n_hand} hand-made cases{against} pass{which}.")
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """No warning reaches stderr while a check runs (nbgrader scores a cell with stderr 0)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+# --------------------------------------------------------------------------- residual distribution
 def _residual_hint(p, q, got) -> str:
     got = torch.as_tensor(got, dtype=torch.float64)
     if torch.isnan(got).any():
@@ -69,6 +112,15 @@ def _residual_hint(p, q, got) -> str:
                 "exercise's convention: when the residual has no mass, return p_target itself.")
     if (got < -1e-9).any():
         return "some entries are negative: clamp p_target - p_draft at 0 before normalising."
+    residual = (p - q).clamp_min(0)
+    if residual.sum() > 0 and got.shape == p.shape and torch.allclose(got, p, atol=1e-6):
+        return ("that is p_target itself, the answer only when max(p_target - p_draft, 0) has no "
+                "mass; here it has: clamp p_target - p_draft at 0 before summing it.")
+    inverted = (q - p).clamp_min(0)
+    if inverted.sum() > 0 and got.shape == p.shape and torch.allclose(
+            got, inverted / inverted.sum(), atol=1e-6):
+        return ("that is max(p_draft - p_target, 0): the residual is the target's mass the draft "
+                "did not cover, max(p_target - p_draft, 0).")
     if abs(float(got.sum()) - 1) > 1e-4:
         return f"the entries sum to {float(got.sum()):.4f}: divide by their sum so they sum to 1."
     return ""
@@ -88,87 +140,145 @@ def _residual_reference_frequencies(p: torch.Tensor, q: torch.Tensor, draws: int
     return torch.bincount(tokens.long(), minlength=vocab).double() / draws
 
 
-def check_residual_distribution(fn: Callable) -> bool:
+@exercise(name="residual_distribution", assignment=ASSIGNMENT,
+          article_step="Speculative decoding step 7: the rebalanced distribution at a rejection "
+                       "(rejection_sampler.py, sample_recovered_tokens)",
+          forbidden=("minivllm.sample.rejection_torch:sample_recovered_tokens_torch",
+                     "minivllm.sample.rejection_block:block_residual"),
+          mistakes=("0 / 0 when p_draft == p_target: NaN where the convention returns "
+                    "p_target",))
+def check_residual_distribution(fn: Callable, cases: str = "all") -> None:
     """``fn(p_target, p_draft)``: 1-D float tensors over the vocabulary (each sums to 1) -> the
     distribution a rejected position's recovered token is drawn from: max(p_target - p_draft, 0),
     normalised to sum to 1; when that is all zeros (p_draft == p_target: nothing is ever rejected),
     p_target itself, as the sampler does for a -1 placeholder that drafted nothing."""
     name = "residual_distribution"
     t = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
-    hand = [
+    visible = [
         ("draft too sure of token 1", t(0.5, 0.3, 0.2), t(0.2, 0.5, 0.3), t(1.0, 0.0, 0.0)),
         ("two tokens gain", t(0.4, 0.4, 0.2, 0.0), t(0.1, 0.3, 0.1, 0.5), t(0.6, 0.2, 0.2, 0.0)),
+    ]
+    hidden = [
         ("one-hot draft (n-gram): the draft token is removed", t(0.1, 0.6, 0.3), t(0.0, 1.0, 0.0),
          t(0.25, 0.0, 0.75)),
         ("draft equals target: the residual is all zeros, so return p_target", t(0.2, 0.5, 0.3),
          t(0.2, 0.5, 0.3), t(0.2, 0.5, 0.3)),
     ]
-    for case, p, q, expected in hand:
-        kw = {"p_target": p, "p_draft": q}
-        got = _call(name, fn, case, kw)
-        got_t = torch.as_tensor(got, dtype=torch.float64) if got is not None else None
-        if got_t is None or got_t.shape != expected.shape or not torch.allclose(got_t, expected,
-                                                                                  atol=1e-6):
-            _fail(name, case, kw, expected, got, "" if got_t is None or got_t.shape != expected.shape
-                  else _residual_hint(p, q, got_t))
-    gen = torch.Generator().manual_seed(1)
-    n_ref = 4
-    for i in range(n_ref):
-        p = torch.rand(6, generator=gen, dtype=torch.float64) ** 2
-        q = torch.rand(6, generator=gen, dtype=torch.float64) ** 2
-        p, q = p / p.sum(), q / q.sum()
-        case = f"random case {i}, compared with minivllm's recovered-token sampler (20000 draws)"
-        kw = {"p_target": p, "p_draft": q}
-        got = _call(name, fn, case, kw)
-        freq = _residual_reference_frequencies(p, q, seed=i)
-        got_t = torch.as_tensor(got, dtype=torch.float64)
-        if got_t.shape != freq.shape or (got_t - freq).abs().max() > 0.02:
-            _fail(name, case, kw, freq, got, "expected = frequencies the package's sampler drew; "
-                  "they match the true residual to about 0.005. " + _residual_hint(p, q, got_t))
-    return _passed(name, len(hand), n_ref, "minivllm's rejection sampler")
+    with quiet():
+        hand = _pick(cases, visible, hidden)
+        for case, p, q, expected in hand:
+            kw = {"p_target": p, "p_draft": q}
+            got = _call(name, fn, case, kw)
+            got_t = torch.as_tensor(got, dtype=torch.float64) if got is not None else None
+            if got_t is None or got_t.shape != expected.shape or not torch.allclose(
+                    got_t, expected, atol=1e-6):
+                _fail(name, case, kw, expected, got, "" if got_t is None or
+                      got_t.shape != expected.shape else _residual_hint(p, q, got_t))
+        n_ref = 4 if _wants(cases)[1] else 0
+        gen = torch.Generator().manual_seed(1)
+        for i in range(n_ref):
+            p = torch.rand(6, generator=gen, dtype=torch.float64) ** 2
+            q = torch.rand(6, generator=gen, dtype=torch.float64) ** 2
+            p, q = p / p.sum(), q / q.sum()
+            case = (f"random case {i}, compared with minivllm's recovered-token sampler "
+                    "(20000 draws)")
+            kw = {"p_target": p, "p_draft": q}
+            got = _call(name, fn, case, kw)
+            freq = _residual_reference_frequencies(p, q, seed=i)
+            got_t = torch.as_tensor(got, dtype=torch.float64)
+            if got_t.shape != freq.shape or (got_t - freq).abs().max() > 0.02:
+                _fail(name, case, kw, freq, got, "expected = frequencies the package's sampler "
+                      "drew; they match the true residual to about 0.005. "
+                      + _residual_hint(p, q, got_t))
+    _done(name, cases, len(hand), n_ref, "minivllm's rejection sampler")
 
 
-# --------------------------------------------------------------------------- 2. last-match n-gram
-def check_propose_last_match(fn: Callable) -> bool:
+# --------------------------------------------------------------------------- last-match n-gram
+def _most_recent_any_length(context: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """What a common wrong answer gives: the most recent earlier occurrence of any suffix n-gram
+    with min_n <= n <= max_n, a longer one not preferred."""
+    total = len(context)
+    for start in range(total - 2, -1, -1):     # latest end first; the match ends before the last
+        for n in range(max_n, min_n - 1, -1):
+            end = start + 1
+            if n <= end and n <= total - 1 and context[end - n:end] == context[total - n:]:
+                return list(context[end:end + k])
+    return []
+
+
+def _no_overlap(context: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Another: an occurrence must end before the suffix starts (no overlap with it)."""
+    total = len(context)
+    for n in range(max_n, min_n - 1, -1):
+        for start in range(total - 2 * n, -1, -1):
+            if n and context[start:start + n] == context[total - n:]:
+                return list(context[start + n:start + n + k])
+    return []
+
+
+@exercise(name="propose_last_match", assignment=ASSIGNMENT,
+          article_step="Speculative decoding step 2: n-gram drafting (propose_draft_token_ids; "
+                       "the article's last-match suggestion)",
+          forbidden=("minivllm.spec_decode.ngram_proposer:NgramProposer.propose",
+                     "minivllm.spec_decode.ngram_proposer:NgramProposer.propose_batch",
+                     "minivllm.spec_decode.ngram_proposer:NgramProposer._suffix_match_lengths"),
+          mistakes=("a more recent shorter match preferred to a longer one (n goes from max_n "
+                    "down)",
+                    "an occurrence overlapping the suffix itself skipped"))
+def check_propose_last_match(fn: Callable, cases: str = "all") -> None:
     """``fn(context, min_n, max_n, k)`` -> up to k tokens that followed the most recent earlier
     occurrence of the context's longest matching suffix n-gram (n from max_n down to min_n); []
     when none matches."""
     from minivllm.spec_decode.ngram_proposer import NgramProposer
     name = "propose_last_match"
-    hand = [
-        ("two earlier matches: the later one wins", [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 2, 3, 2, [8, 1]),
-        ("longer n beats a more recent shorter match", [5, 1, 2, 3, 7, 0, 2, 3, 6, 1, 2, 3], 2, 3, 2,
-         [7, 0]),
+    visible = [
+        ("two earlier matches: the later one wins", [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 2, 3, 2,
+         [8, 1]),
         ("no n-gram of length >= min_n repeats", [1, 2, 3, 4, 5, 6], 2, 3, 3, []),
+    ]
+    hidden = [
+        ("longer n beats a more recent shorter match", [5, 1, 2, 3, 7, 0, 2, 3, 6, 1, 2, 3], 2, 3,
+         2, [7, 0]),
         ("k capped by the tokens after the match", [4, 5, 6, 4, 5], 2, 2, 5, [6, 4, 5]),
         ("match overlapping the suffix", [1, 2, 1, 2, 1], 3, 3, 3, [2, 1]),
         ("context shorter than min_n", [7, 7], 3, 4, 2, []),
     ]
-    for case, ctx, lo, hi, k, expected in hand:
-        kw = {"context": ctx, "min_n": lo, "max_n": hi, "k": k}
-        got = _call(name, fn, case, kw)
-        if got is None or [int(x) for x in got] != expected:
-            hint = ""
-            first = NgramProposer(lo, hi, k, match="first").propose(ctx)
-            if got is not None and [int(x) for x in got] == first and first != expected:
-                hint = "that is the FIRST match (vLLM's rule); the exercise asks for the last one."
-            _fail(name, case, kw, expected, got, hint)
-    rng = random.Random(0)
-    n_ref = 200
-    for i in range(n_ref):
-        ctx = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
-        lo = rng.randrange(1, 4)
-        hi = lo + rng.randrange(0, 3)
-        k = rng.randrange(1, 5)
-        expected = NgramProposer(lo, hi, k, match="last").propose(ctx)
-        kw = {"context": ctx, "min_n": lo, "max_n": hi, "k": k}
-        got = _call(name, fn, f"random case {i} (vs NgramProposer(match='last'))", kw)
-        if got is None or [int(x) for x in got] != expected:
-            _fail(name, f"random case {i}, answered by NgramProposer(match='last')", kw, expected, got)
-    return _passed(name, len(hand), n_ref, "NgramProposer(match='last')")
+    with quiet():
+        hand = _pick(cases, visible, hidden)
+        for case, ctx, lo, hi, k, expected in hand:
+            kw = {"context": ctx, "min_n": lo, "max_n": hi, "k": k}
+            got = _call(name, fn, case, kw)
+            if got is None or [int(x) for x in got] != expected:
+                hint = ""
+                got_l = None if got is None else [int(x) for x in got]
+                if got_l == NgramProposer(lo, hi, k, match="first").propose(ctx):
+                    hint = ("that is the FIRST match (vLLM's rule); the exercise asks for the "
+                            "last one.")
+                elif got_l == _most_recent_any_length(ctx, lo, hi, k):
+                    hint = ("a longer n-gram wins over a more recent shorter one: try n from "
+                            "max_n down to min_n, and take the last occurrence of the first n "
+                            "that matches.")
+                elif got_l == _no_overlap(ctx, lo, hi, k):
+                    hint = ("an earlier occurrence may overlap the suffix itself: it only has to "
+                            "end before the context's last token.")
+                _fail(name, case, kw, expected, got, hint)
+        rng = random.Random(0)
+        n_ref = 200 if _wants(cases)[1] else 0
+        for i in range(n_ref):
+            ctx = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+            lo = rng.randrange(1, 4)
+            hi = lo + rng.randrange(0, 3)
+            k = rng.randrange(1, 5)
+            expected = NgramProposer(lo, hi, k, match="last").propose(ctx)
+            kw = {"context": ctx, "min_n": lo, "max_n": hi, "k": k}
+            got = _call(name, fn, f"random case {i} (vs NgramProposer(match='last'))", kw)
+            if got is None or [int(x) for x in got] != expected:
+                _fail(name, f"random case {i}, answered by NgramProposer(match='last')", kw,
+                      expected, got)
+    _done(name, cases, len(hand), n_ref, "NgramProposer(match='last')")
 
 
-# --------------------------------------------------------------------------- 3. blocks to allocate
+# --------------------------------------------------------------------------- blocks to allocate
 def _allocate_slots_reference(num_computed_tokens: int, num_new_tokens: int, num_lookahead_tokens: int,
                               num_held_blocks: int, block_size: int, max_model_len: int) -> int:
     """Ask a real ``KVCacheManager``: a request holding ``num_held_blocks`` blocks with
@@ -187,56 +297,72 @@ def _allocate_slots_reference(num_computed_tokens: int, num_new_tokens: int, num
     return len(new.get_block_ids()[0])
 
 
-def check_num_blocks_to_allocate(fn: Callable) -> bool:
+@exercise(name="num_blocks_to_allocate", assignment=ASSIGNMENT,
+          article_step="Speculative decoding step 4: allocate_slots reserves KV blocks for the "
+                       "drafts (kv_cache_manager.py)",
+          forbidden=("minivllm.core.kv_cache_manager:KVCacheManager.allocate_slots",
+                     "minivllm.core.kv_cache_manager:KVCacheManager.get_num_blocks_to_allocate",
+                     "minivllm.core.kv_cache_manager:KVCacheManager.allocate_new_blocks"),
+          mistakes=("the lookahead slots left out",
+                    "no cap at max_model_len",
+                    "a negative count when the request already holds more blocks than it needs"))
+def check_num_blocks_to_allocate(fn: Callable, cases: str = "all") -> None:
     """``fn(num_computed_tokens, num_new_tokens, num_lookahead_tokens, num_held_blocks, block_size,
     max_model_len)`` -> how many new blocks ``allocate_slots`` must take from the free queue."""
     name = "num_blocks_to_allocate"
-    hand = [  # (case, computed, new, lookahead, held, block_size, max_model_len, expected)
+    visible = [  # (case, computed, new, lookahead, held, block_size, max_model_len, expected)
         ("a 20-token prompt, nothing cached", 0, 20, 0, 0, 16, 1024, 2),
         ("decode step that crosses a block boundary", 16, 1, 0, 1, 16, 1024, 1),
         ("decode step inside the last block", 17, 1, 0, 2, 16, 1024, 0),
         ("verify step: 1 token + 3 drafts", 30, 4, 0, 2, 16, 1024, 1),
+    ]
+    hidden = [
         ("draft model: 3 lookahead slots too", 25, 4, 3, 2, 16, 1024, 0),
         ("lookahead slots that spill into a new block", 26, 4, 3, 2, 16, 1024, 1),
         ("capped at max_model_len", 60, 4, 3, 4, 16, 64, 0),
-        ("drafts were rejected: the request already holds more than it needs", 20, 1, 0, 3, 16, 1024, 0),
+        ("drafts were rejected: the request already holds more than it needs", 20, 1, 0, 3, 16,
+         1024, 0),
         ("block size 4, a long prefill chunk", 8, 13, 0, 2, 4, 1024, 4),
     ]
-    for case, c, n, la, held, bs, mml, expected in hand:
-        kw = {"num_computed_tokens": c, "num_new_tokens": n, "num_lookahead_tokens": la,
-              "num_held_blocks": held, "block_size": bs, "max_model_len": mml}
-        got = _call(name, fn, case, kw)
-        if got != expected:
-            naive = -(-(c + n + la) // bs) - held
-            hint = ""
-            if got == naive and naive < 0:
-                hint = "a request never gives blocks back here: the answer cannot be negative."
-            elif got == naive:
-                hint = "slots past max_model_len are never written: cap the token count first."
-            elif got == -(-(n + la) // bs):
-                hint = "count the blocks needed for ALL tokens up to here, then subtract the held ones."
-            elif la and got == max(0, -(-min(c + n, mml) // bs) - held):
-                hint = "the lookahead slots need blocks too."
-            _fail(name, case, kw, expected, got, hint)
-    rng = random.Random(0)
-    n_ref = 100
-    for i in range(n_ref):
-        bs = rng.choice([1, 2, 4, 8, 16])
-        c = rng.randrange(0, 80)
-        n = rng.randrange(1, 20)
-        la = rng.choice([0, 0, 1, 3])
-        mml = rng.choice([128, c + n + rng.randrange(0, 3)])
-        held = max(0, -(-c // bs) + rng.choice([0, 0, 0, 1]))
-        kw = {"num_computed_tokens": c, "num_new_tokens": n, "num_lookahead_tokens": la,
-              "num_held_blocks": held, "block_size": bs, "max_model_len": mml}
-        expected = _allocate_slots_reference(c, n, la, held, bs, mml)
-        got = _call(name, fn, f"random case {i}", kw)
-        if got != expected:
-            _fail(name, f"random case {i}, answered by KVCacheManager.allocate_slots", kw, expected, got)
-    return _passed(name, len(hand), n_ref, "KVCacheManager.allocate_slots")
+    with quiet():
+        hand = _pick(cases, visible, hidden)
+        for case, c, n, la, held, bs, mml, expected in hand:
+            kw = {"num_computed_tokens": c, "num_new_tokens": n, "num_lookahead_tokens": la,
+                  "num_held_blocks": held, "block_size": bs, "max_model_len": mml}
+            got = _call(name, fn, case, kw)
+            if got != expected:
+                naive = -(-(c + n + la) // bs) - held
+                hint = ""
+                if got == naive and naive < 0:
+                    hint = "a request never gives blocks back here: the answer cannot be negative."
+                elif got == naive:
+                    hint = "slots past max_model_len are never written: cap the token count first."
+                elif got == -(-(n + la) // bs):
+                    hint = ("count the blocks needed for ALL tokens up to here, then subtract the "
+                            "held ones.")
+                elif la and got == max(0, -(-min(c + n, mml) // bs) - held):
+                    hint = "the lookahead slots need blocks too."
+                _fail(name, case, kw, expected, got, hint)
+        rng = random.Random(0)
+        n_ref = 100 if _wants(cases)[1] else 0
+        for i in range(n_ref):
+            bs = rng.choice([1, 2, 4, 8, 16])
+            c = rng.randrange(0, 80)
+            n = rng.randrange(1, 20)
+            la = rng.choice([0, 0, 1, 3])
+            mml = rng.choice([128, c + n + rng.randrange(0, 3)])
+            held = max(0, -(-c // bs) + rng.choice([0, 0, 0, 1]))
+            kw = {"num_computed_tokens": c, "num_new_tokens": n, "num_lookahead_tokens": la,
+                  "num_held_blocks": held, "block_size": bs, "max_model_len": mml}
+            expected = _allocate_slots_reference(c, n, la, held, bs, mml)
+            got = _call(name, fn, f"random case {i}", kw)
+            if got != expected:
+                _fail(name, f"random case {i}, answered by KVCacheManager.allocate_slots", kw,
+                      expected, got)
+    _done(name, cases, len(hand), n_ref, "KVCacheManager.allocate_slots")
 
 
-# --------------------------------------------------------------------------- 4. spec-decode indices
+# --------------------------------------------------------------------------- spec-decode indices
 def reference_spec_decode_logits_indices(num_scheduled_tokens: list[int], num_draft_tokens: list[int]):
     """(logits_indices, target_logits_indices, bonus_logits_indices) as minivllm computes them.
 
@@ -254,44 +380,68 @@ def reference_spec_decode_logits_indices(num_scheduled_tokens: list[int], num_dr
             md.bonus_logits_indices.tolist())
 
 
-def check_spec_decode_logits_indices(fn: Callable) -> bool:
+@exercise(name="spec_decode_logits_indices", assignment=ASSIGNMENT,
+          article_step="Speculative decoding step 6: _calc_spec_decode_metadata prepares the "
+                       "logits (gpu_model_runner.py)",
+          forbidden=("minivllm.worker.model_runner:ModelRunner._calc_spec_decode_metadata",),
+          mistakes=("target and bonus indices counted in hidden-state rows instead of among the "
+                    "selected logits (they differ once a prefill shares the batch)",
+                    "a request without drafts (a prefill) given all its rows instead of its last"))
+def check_spec_decode_logits_indices(fn: Callable, cases: str = "all") -> None:
     """``fn(num_scheduled_tokens, num_draft_tokens)`` -> (logits_indices, target_logits_indices,
     bonus_logits_indices) as lists: which rows of the flattened hidden states get logits, and, within
     those selected rows, where each draft's target distribution and each request's bonus sit."""
     name = "spec_decode_logits_indices"
-    hand = [
+    visible = [
         ("one request verifying 3 drafts", [4], [3], ([0, 1, 2, 3], [0, 1, 2], [3])),
-        ("no drafts: one row per request, the last scheduled one", [5, 1], [0, 0], ([4, 5], [], [0, 1])),
+        ("two decoding requests: 1 + 1 draft, then 1 + 2 drafts", [2, 3], [1, 2],
+         ([0, 1, 2, 3, 4], [0, 2, 3], [1, 4])),
+    ]
+    hidden = [
+        ("no drafts: one row per request, the last scheduled one", [5, 1], [0, 0],
+         ([4, 5], [], [0, 1])),
         ("a prefill, a 3-draft and a 2-draft request", [5, 4, 3], [0, 3, 2],
          ([4, 5, 6, 7, 8, 9, 10, 11], [1, 2, 3, 5, 6], [0, 4, 7])),
     ]
-    for case, sched, drafts, expected in hand:
-        kw = {"num_scheduled_tokens": sched, "num_draft_tokens": drafts}
-        got = _call(name, fn, case, kw)
-        got_l = _as_lists(got)
-        if got_l != [list(e) for e in expected]:
-            hint = ""
-            rows = [[expected[0][j] for j in expected[1]], [expected[0][j] for j in expected[2]]]
-            if isinstance(got_l, list) and len(got_l) == 3 and got_l[0] == expected[0] and (
-                    got_l[1] == rows[0] or got_l[2] == rows[1]):
-                hint = ("target and bonus indices index the SELECTED logits (0 .. "
-                        "len(logits_indices) - 1), not the hidden-state rows.")
-            _fail(name, case, kw, expected, got, hint)
-    rng = random.Random(0)
-    n_ref = 0
-    while n_ref < 50:
-        drafts = [rng.choice([0, 1, 2, 3]) for _ in range(rng.randrange(1, 5))]
-        if not any(drafts):
-            continue   # the model runner builds no spec metadata for a batch without drafts
-        sched = [d + 1 if d else rng.randrange(1, 9) for d in drafts]
-        kw = {"num_scheduled_tokens": sched, "num_draft_tokens": drafts}
-        expected = reference_spec_decode_logits_indices(sched, drafts)
-        got = _call(name, fn, f"random case {n_ref}", kw)
-        if _as_lists(got) != [list(e) for e in expected]:
-            _fail(name, f"random case {n_ref}, answered by ModelRunner._calc_spec_decode_metadata",
-                  kw, expected, got)
-        n_ref += 1
-    return _passed(name, len(hand), n_ref, "ModelRunner._calc_spec_decode_metadata")
+    with quiet():
+        hand = _pick(cases, visible, hidden)
+        for case, sched, drafts, expected in hand:
+            kw = {"num_scheduled_tokens": sched, "num_draft_tokens": drafts}
+            got = _call(name, fn, case, kw)
+            got_l = _as_lists(got)
+            if got_l != [list(e) for e in expected]:
+                _fail(name, case, kw, expected, got, _indices_hint(sched, drafts, expected, got_l))
+        rng = random.Random(0)
+        n_ref = 0
+        while _wants(cases)[1] and n_ref < 50:
+            drafts = [rng.choice([0, 1, 2, 3]) for _ in range(rng.randrange(1, 5))]
+            if not any(drafts):
+                continue   # the model runner builds no spec metadata for a batch without drafts
+            sched = [d + 1 if d else rng.randrange(1, 9) for d in drafts]
+            kw = {"num_scheduled_tokens": sched, "num_draft_tokens": drafts}
+            expected = reference_spec_decode_logits_indices(sched, drafts)
+            got = _call(name, fn, f"random case {n_ref}", kw)
+            got_l = _as_lists(got)
+            if got_l != [list(e) for e in expected]:
+                _fail(name, f"random case {n_ref}, answered by "
+                      "ModelRunner._calc_spec_decode_metadata", kw, expected, got,
+                      _indices_hint(sched, drafts, expected, got_l))
+            n_ref += 1
+    _done(name, cases, len(hand), n_ref, "ModelRunner._calc_spec_decode_metadata")
+
+
+def _indices_hint(sched: list[int], drafts: list[int], expected: Any, got_l: Any) -> str:
+    expected = [list(e) for e in expected]
+    if not (isinstance(got_l, list) and len(got_l) == 3):
+        return "return three lists: (logits_indices, target_logits_indices, bonus_logits_indices)."
+    rows = [[expected[0][j] for j in expected[1]], [expected[0][j] for j in expected[2]]]
+    if got_l[0] == expected[0] and (got_l[1] == rows[0] or got_l[2] == rows[1]):
+        return ("target and bonus indices index the SELECTED logits (0 .. len(logits_indices) - "
+                "1), not the hidden-state rows.")
+    if got_l[0] == list(range(sum(sched))) and expected[0] != got_l[0]:
+        return ("a request without drafts (a prefill chunk) gets logits for its last row only: "
+                "each request's last num_draft_tokens + 1 rows.")
+    return ""
 
 
 def _as_lists(got: Any) -> Any:

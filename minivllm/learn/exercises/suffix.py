@@ -1,5 +1,6 @@
-"""Notebook 04, exercise 5: walk a suffix tree greedily by frequency (suffix decoding's draft,
-spec_decode/suffix_tree.py ``SuffixTree.walk``; vLLM 0.32's ``method="suffix"``).
+"""The spec_decode assignment's suffix-tree walk (after the article): walk a suffix tree greedily
+by frequency (suffix decoding's draft, spec_decode/suffix_tree.py ``SuffixTree.walk``; vLLM 0.32's
+``method="suffix"``).
 
 A node is ``{"count": int, "children": [(token, node), ...]}``, children highest count first (ties
 already in the order the tree keeps). From the matched node, take the first child, multiply the
@@ -11,7 +12,8 @@ from __future__ import annotations
 import random
 from typing import Any, Callable
 
-from minivllm.learn.exercises.spec import _call, _fail, _fmt, _passed
+from minivllm.learn.exercises.registry import exercise
+from minivllm.learn.exercises.spec import ASSIGNMENT, _call, _done, _fail, _fmt, _wants, quiet
 from minivllm.spec_decode.suffix_tree import SuffixTree
 
 
@@ -25,7 +27,8 @@ def _leaf(count: int) -> dict:
 
 
 # The hand-made cases, answers as data: (what the case tests, node, max_tokens, min_token_prob,
-# expected tokens, expected probabilities).
+# expected tokens, expected probabilities). The basic ones (VISIBLE) are in the student's copy; the
+# others catch the common mistakes and sit among the hidden tests.
 _A = {"count": 2, "children": [(1, {"count": 1, "children": [(0, _leaf(1))]}), (2, _leaf(1))]}
 _TIE = {"count": 2, "children": [(5, _leaf(1)), (6, _leaf(1))]}
 _CHAIN = {"count": 4, "children": [(7, {"count": 3, "children": [(8, _leaf(1))]}), (9, _leaf(1))]}
@@ -42,6 +45,9 @@ HAND_CASES: list[tuple[str, dict, int, float, list[int], list[float]]] = [
     ("max_tokens caps the draft", _A, 1, 0.1, [1], [0.5]),
     ("a leaf: nothing to draft", _leaf(3), 4, 0.0, [], []),
 ]
+VISIBLE = ("a tie: of two children seen once each, the first listed wins",
+           "max_tokens caps the draft", "a leaf: nothing to draft",
+           "the first token already falls below min_token_prob")
 
 
 def _ratios(node: dict, n: int) -> list[float]:
@@ -77,22 +83,32 @@ def _hint(node: dict, max_tokens: int, min_token_prob: float, tokens: list[int],
     return ""
 
 
-def check_walk_suffix_tree(fn: Callable) -> bool:
+@exercise(name="walk_suffix_tree", assignment=ASSIGNMENT,
+          article_step="After the article: suffix decoding's draft (vLLM 0.32 method='suffix', "
+                       "SuffixTree.walk)",
+          forbidden=("minivllm.spec_decode.suffix_tree:SuffixTree.walk",
+                     "minivllm.spec_decode.suffix_tree:SuffixTree.speculate"),
+          mistakes=("each token's own ratio count(child) / count(node) instead of the running "
+                    "product",
+                    "a probability exactly min_token_prob dropped (`<=` instead of `<`)"))
+def check_walk_suffix_tree(fn: Callable, cases: str = "all") -> None:
     """``fn(node, max_tokens, min_token_prob) -> (tokens, probs)``."""
     name = "walk_suffix_tree"
-    hand = HAND_CASES
-    for case, node, k, p, tokens, probs in hand:
-        _check_one(name, fn, case, node, k, p, tokens, probs)
-    rng, n_ref = random.Random(0), 200
-    for i in range(n_ref):
-        tree = SuffixTree(max_depth=rng.randint(3, 8))
-        tree.extend(0, [rng.randrange(rng.randint(2, 5)) for _ in range(rng.randint(1, 40))])
-        start = rng.choice([tree.root] + tree.root.ranked)
-        k, p = rng.randint(1, 6), rng.choice([0.0, 0.12, 0.27, 0.41, 0.66])
-        draft = tree.walk(start, k, p)
-        _check_one(name, fn, f"random tree {i}: the walk SuffixTree.walk makes", tree_as_dict(start),
-                   k, p, draft.token_ids, draft.probs)
-    return _passed(name, len(hand), n_ref, "SuffixTree.walk")
+    want_visible, want_hidden = _wants(cases)
+    hand = [c for c in HAND_CASES if (want_visible if c[0] in VISIBLE else want_hidden)]
+    with quiet():
+        for case, node, k, p, tokens, probs in hand:
+            _check_one(name, fn, case, node, k, p, tokens, probs)
+        rng, n_ref = random.Random(0), 200 if want_hidden else 0
+        for i in range(n_ref):
+            tree = SuffixTree(max_depth=rng.randint(3, 8))
+            tree.extend(0, [rng.randrange(rng.randint(2, 5)) for _ in range(rng.randint(1, 40))])
+            start = rng.choice([tree.root] + tree.root.ranked)
+            k, p = rng.randint(1, 6), rng.choice([0.0, 0.12, 0.27, 0.41, 0.66])
+            draft = tree.walk(start, k, p)
+            _check_one(name, fn, f"random tree {i}: the walk SuffixTree.walk makes",
+                       tree_as_dict(start), k, p, draft.token_ids, draft.probs)
+    _done(name, cases, len(hand), n_ref, "SuffixTree.walk")
 
 
 def _check_one(name: str, fn: Callable, case: str, node: dict, max_tokens: int,

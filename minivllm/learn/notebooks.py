@@ -33,7 +33,8 @@ from typing import Any, Optional
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOTEBOOK_DIR = os.path.join(REPO, "notebooks")
 SANITIZE_FILE = os.path.join(NOTEBOOK_DIR, "nbval_sanitize.cfg")
-EXERCISE_NOTEBOOKS = ("04_exercises.ipynb", "07_pd_exercises.ipynb")
+EXERCISE_NOTEBOOKS = ("04_exercises.ipynb", "07_pd_exercises.ipynb",
+                      "09_pd_at_scale_exercises.ipynb")
 MAX_BYTES = 1_500_000          # no stored notebook over 1.5 MB
 CELL_TIMEOUT = 300             # seconds per cell
 # What every kernel inherits, in the stored run and in CI's: one intra-op thread (floats summed in a

@@ -53,6 +53,12 @@ def test_tour_cli_pdb_fed_c_stops_once_per_step(tiny_llama_dir):
     assert ids == list(tour.TOURS["spec"])
     assert proc.stdout.count("(Pdb)") == len(tour.TOURS["spec"]), proc.stdout[-3000:]
     assert "-> scheduled_running_reqs.append(request)" in proc.stdout   # pdb in the engine's frame
+    # Each stop's "where:" is the line pdb then stops at (the next line to run), in the same file.
+    where = re.findall(r"where: +(\S+\.py):(\d+) ", proc.stdout)
+    pdb_at = re.findall(r"> (\S+\.py)\((\d+)\)", proc.stdout)
+    assert len(where) == len(pdb_at) == len(tour.TOURS["spec"]), proc.stdout[-3000:]
+    for (file, line), (pdb_file, pdb_line) in zip(where, pdb_at):
+        assert pdb_file.endswith(file) and line == pdb_line, (file, line, pdb_file, pdb_line)
 
 
 def test_tour_pd_in_order_with_a_real_transfer(tiny_llama_dir):

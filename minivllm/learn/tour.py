@@ -148,7 +148,8 @@ def describe_frame(step: steps.Step, frame: Any, tour: Optional["Tour"] = None) 
     path = frame.f_code.co_filename
     here = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
     lines = [f"  article: {step.article}",
-             f"  where:   {here}:{frame.f_lineno}  in {frame.f_code.co_qualname}"]
+             f"  where:   {here}:{steps.debugger_line(step.id, frame)}  in "
+             f"{frame.f_code.co_qualname}"]
     for node in ast.parse(f"({step.show},)", mode="eval").body.elts:
         expr = ast.unparse(node)
         try:
@@ -187,8 +188,8 @@ class Tour:
         """Installed as ``sys.breakpointhook``: the engine's ``breakpoint()`` lands here."""
         frame = sys._getframe(1)
         step = steps.current
-        self.stops.append(Stop(step.id, self.instance, frame.f_code.co_filename, frame.f_lineno,
-                               frame.f_code.co_qualname))
+        self.stops.append(Stop(step.id, self.instance, frame.f_code.co_filename,
+                               steps.debugger_line(step.id, frame), frame.f_code.co_qualname))
         tag = f"  ({self.instance} instance)" if self.instance else ""
         print(f"\n[{len(self.stops)}]{tag}", file=self.out)
         print(step.id, file=self.out)

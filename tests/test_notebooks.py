@@ -189,7 +189,12 @@ EXPECTED = {
                                       "-> rejected",
                                       "residual = max(p_target - p_draft, 0) / sum  (one-hot",
                                       "<- recovered", "<- draft", "recovered token: ",
-                                      "share of 2000 races", "lookahead 3 = ",
+                                      "share of 2000 races",
+                                      # the lookahead slots cost the draft model one more block
+                                      "n-gram     : computed  26 + scheduled 4 (1 + 3 drafts) + "
+                                      "lookahead 0 = 30 slots needed -> 2 blocks of 16",
+                                      "draft model: computed  26 + scheduled 4 (1 + 3 drafts) + "
+                                      "lookahead 3 = 33 slots needed -> 3 blocks of 16",
                                       "target forwards (1.00 tokens per forward)",
                                       "identical greedy tokens with and without speculation: True",
                                       "drafts counted (the sampler)", "<- differs",

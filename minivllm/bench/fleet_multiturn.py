@@ -3,8 +3,9 @@
 prefill + 2 decode), so that only routing differs: prompt tokens computed, prefix-cache hit rate
 against one engine with a cache big enough for everything, remote prefills skipped, TTFT, failures,
 and whether greedy outputs agree. Every number comes from the client's streams (their usage) and
-the fleet's own records (``routes``). ``--save FILE`` writes the table and one example route as
-JSON.
+the fleet's own records (``routes``). ``--save FILE`` writes the table, the ideal's hit rate per
+turn and one example route as JSON; ``plot_multiturn`` draws it (notebook 06), and
+``--ideal-only`` replays only the ideal of a saved run, without the fleet.
 """
 from __future__ import annotations
 

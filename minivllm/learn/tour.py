@@ -2,9 +2,10 @@
 
 The tour runs the article's example (``minivllm/examples/``) with every step of that part armed as a
 breakpoint (``minivllm/steps.py``) and replaces ``sys.breakpointhook`` for the run: at each stop it
-prints the step id on its own line, the article's sentence in our words, ``file:line`` and function,
-the values that matter there, read from the engine's live frame, and the step's note (why the
-numbers are what they are, ids as text: ``step_table.NOTES``); then it waits for Enter.
+prints the step id on its own line, the article's sentence in our words, ``file:line`` (where pdb
+then stops: the next line to run) and function, the values that matter there, read from the
+engine's live frame, and the step's note (why the numbers are what they are, ids as text:
+``step_table.NOTES``); then it waits for Enter.
 ``--pdb`` opens pdb in that frame instead (``c`` goes on to the next step); ``--no-wait`` runs
 straight through (CI); ``--ide`` leaves ``breakpoint()`` to the debugger already in charge (VS Code's
 debugpy stops in the engine's frame). ``--plain`` runs the forward on the reference paths (attention

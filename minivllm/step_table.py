@@ -207,6 +207,29 @@ def _drafts(frame: Any, tour: Any) -> list[str]:
     return [f"req {r}: drafts as text {decoded(tour.tokenizer, d)}" for r, d in drafts.items() if d]
 
 
+def _spec1(frame: Any, tour: Any) -> list[str]:
+    """spec.1: per request, its hidden-state rows and the one the LM head reads, and why."""
+    f = frame.f_locals
+    so, picked = f["so"], [int(i) for i in f["logits_indices"]]
+    lines, start = [], 0
+    for req_id in f["self"].input_batch.req_ids:
+        n = so.num_scheduled_tokens.get(req_id, 0)
+        if not n:
+            continue
+        rows = [r for r in picked if start <= r < start + n]
+        k = len(so.scheduled_spec_decode_tokens.get(req_id, []))
+        why = (f"a verify of {k} drafts: 1 + {k} rows" if k else
+               "a prefill samples one token, from its last prompt row" if n > 1 else
+               "a decode: its one row")
+        lines.append(f"req {req_id}: rows {start}..{start + n - 1} ({n} tokens) -> logits rows "
+                     f"{rows} ({why})")
+        start += n
+    lines.append(f"logits {tuple(f['logits'].shape)} = (rows picked, vocabulary): the LM head runs "
+                 f"on {len(picked)} of the {start} hidden states; the sampler draws from them "
+                 "next, and only then can the drafter propose (spec.2)")
+    return lines
+
+
 def _spec2(frame: Any, tour: Any) -> list[str]:
     """spec.2: the drafts as text, and for a drafter with a model of its own, its forward."""
     f = frame.f_locals
@@ -279,6 +302,29 @@ def _spec7(frame: Any, tour: Any) -> list[str]:
                                 for i, row in enumerate(frame.f_locals["output"].tolist())]
 
 
+def _spec8(frame: Any, tour: Any) -> list[str]:
+    """spec.8: which stop condition held, and what happens to the tokens after it."""
+    f = frame.f_locals
+    req, sched, emitted, i = f["request"], f["self"], f["new_token_ids"], f["i"]
+    status = req.status.name
+    if status == "FINISHED_LENGTH_CAPPED":
+        why = (f"num_output_tokens {req.num_output_tokens} reached max_tokens {req.max_tokens}"
+               if req.num_output_tokens >= req.max_tokens else
+               f"num_tokens {req.num_tokens} reached max_model_len {sched.max_model_len}")
+    elif req.stop_reason is None:
+        why = f"token {f['token_id']} is the end-of-sequence token {req.eos_token_id}"
+    else:
+        why = f"stop {req.stop_reason!r} (a stop token id or stop string) came"
+    n, dropped = len(emitted), len(emitted) - i - 1
+    return [f"check_stop: {why}, so {status}",
+            f"it runs after each token appended: this step gave the request {n} "
+            f"token{'s' if n != 1 else ''} (a verify gives up to 1 + k), "
+            + (f"the {dropped} after the stop dropped (plain decoding would never have made "
+               f"{'it' if dropped == 1 else 'them'})" if dropped else "the stop its last"),
+            "next the scheduler frees the request's blocks (_free_request) and its output goes "
+            "back finished; the other requests repeat steps 2-7"]
+
+
 def _lookup(frame: Any, tour: Any) -> list[str]:
     """pd.lookup: why this many tokens can come from the connector."""
     f = frame.f_locals
@@ -307,13 +353,35 @@ def _layer_load(frame: Any, tour: Any) -> list[str]:
 
 
 def _layer_save(frame: Any, tour: Any) -> list[str]:
-    """pd.layer_save: what the per-layer save does, layerwise or not."""
+    """pd.layer_save: whose slot_mapping md's is (the batch's), which of its rows a request stores,
+    which prompts store nothing, and what the per-layer save does, layerwise or not."""
+    f = frame.f_locals
+    md, connector = f["md"], f["connector"]
+    loc = md.query_start_loc.tolist()
+    counts = [b - a for a, b in zip(loc, loc[1:])]
+    lines = [f"md.slot_mapping is the whole batch's: one paged-cache slot per token this step "
+             f"computes, {sum(counts)} = {' + '.join(map(str, counts))} ({len(counts)} requests)"]
     if tour.instance == "decode":
-        return ["on the decode instance nothing is stored (is_store=False): this call copies nothing"]
-    return ["every layer, layerwise or not: save_kv_layer gathers this layer's rows of the stored "
-            "prefix (their slot_mapping) from the paged cache into host memory (vLLM's "
-            "extract_kv_from_layer); storage is written later, in wait_for_save (pd.exit; "
-            "SharedStorageConnector: one file per layer)"]
+        return lines + ["on the decode instance nothing is stored (is_store=False): this call "
+                        "copies nothing"]
+    describe = getattr(connector._get_connector_metadata(), "describe", None)
+    stored = [d for d in (describe() if describe else []) if d.get("is_store")]
+    lines.append("save_kv_layer copies only the rows the connector's metadata stores (each "
+                 "request's own slot mapping): " + ("; ".join(
+                     f"req {d['req_id']} tokens [{d['tokens'][0]}, {d['tokens'][1]}), "
+                     f"{d['tokens'][1] - d['tokens'][0]} rows" for d in stored) or "none"))
+    bs = f["self"].kv_cache.shape[2]
+    short = [n for n in md.seq_lens.tolist() if n <= bs]
+    if short:
+        sizes = [f"{n}-" for n in short]
+        sizes = ", ".join(sizes[:-1]) + " and " + sizes[-1] if len(sizes) > 1 else sizes[0]
+        lines.append(f"a prompt stores its whole blocks below its last token, (n - 1) // {bs} * "
+                     f"{bs} tokens: the {sizes}token prompt{'s' if len(short) > 1 else ''}, no "
+                     f"longer than one block, store{'' if len(short) > 1 else 's'} nothing")
+    return lines + ["every layer, layerwise or not: save_kv_layer gathers this layer's rows of "
+                    "the stored prefix (their slot_mapping) from the paged cache into host memory "
+                    "(vLLM's extract_kv_from_layer); storage is written later, in wait_for_save "
+                    "(pd.exit; SharedStorageConnector: one file per layer)"]
 
 
 def _exit(frame: Any, tour: Any) -> list[str]:
@@ -331,6 +399,7 @@ def _exit(frame: Any, tour: Any) -> list[str]:
 
 
 NOTES: dict[str, Callable[[Any, Any], list[str]]] = {
-    "spec.2": _spec2, "spec.3": _drafts, "spec.4": _spec4, "spec.5": _spec5, "spec.6": _spec6, "spec.7": _spec7,
+    "spec.1": _spec1, "spec.2": _spec2, "spec.3": _drafts, "spec.4": _spec4, "spec.5": _spec5,
+    "spec.6": _spec6, "spec.7": _spec7, "spec.8": _spec8,
     "pd.lookup": _lookup, "pd.layer_load": _layer_load, "pd.layer_save": _layer_save,
     "pd.exit": _exit}

@@ -14,8 +14,9 @@ so the builtin ``breakpoint()`` runs in the article function's own frame, with i
 ``PYTHONBREAKPOINT`` picks the debugger (pdb, ipdb, pudb, VS Code's debugpy; ``0`` disables). The
 debugger shows the file as it is; a function nobody asked to stop in runs its original code, so a
 run without breakpoints pays nothing. ``at_step`` says whether to stop and prints the step, the
-values to look at and why they are what they are. Each id stops once per ``LLM``: to stop there
-again, build another ``LLM`` (or call ``steps.configure([...])`` again).
+values to look at and why they are what they are; its ``file:line`` is where the debugger then
+stops, the next line to run (``debugger_line``), not the anchor's own. Each id stops once per
+``LLM``: to stop there again, build another ``LLM`` (or call ``steps.configure([...])`` again).
 
 Ask with ``MINIVLLM_BREAK=spec.4,pd.lookup`` (or ``all``, or a group ``spec`` / ``pd``) or
 ``LLM(..., break_at=["spec.4"])``. ``python -m minivllm.tour spec|pd`` walks them in order. At exit,
@@ -53,6 +54,8 @@ _requested: tuple[str, ...] = ()
 _asked: dict[str, None] = {}       # every id requested in this process
 _seen: set[str] = set()            # every compiled-in stop whose condition held (witnesses too)
 _original: dict[Any, Any] = {}     # function -> its code before a stop was compiled in
+# (file, the stop's line, id) -> the line a debugger that the stop's breakpoint() starts stops at
+_resume: dict[tuple[str, int, str], int] = {}
 current: Optional[Step] = None     # the step at_step() last stopped at (read by the tour's hook)
 quiet = False                      # the tour prints its own header
 
@@ -124,7 +127,7 @@ def _compile_stops(func: Any, stops: list[tuple[Any, str]]) -> Any:
     """``func``'s code with ``if at_step(step.id, step.when): breakpoint()`` after each ``(step,
     anchor)``'s anchor statement (at the head of its block, for a step whose ``inside`` is set), on
     the anchor's line."""
-    node = _function_node(func)
+    node, inserted = _function_node(func), set()
     for step, anchor in stops:
         target = anchor_of(func, anchor, node)
         stop = ast.parse(f"if __import__('minivllm.steps').steps.at_step({step.id!r}, "
@@ -139,7 +142,60 @@ def _compile_stops(func: Any, stops: list[tuple[Any, str]]) -> Any:
             if hasattr(part, "lineno"):
                 part.lineno = part.end_lineno = line
                 part.col_offset, part.end_col_offset = target.col_offset, target.col_offset
+        inserted.add(id(stop))
+        _resume[(func.__code__.co_filename, line, step.id)] = _next_line_event(
+            node, block, i + 1, line, inserted)
     return _code_of(func, node)
+
+
+def _next_line_event(func: ast.AST, block: list, i: int, line: int, inserted: set[int]) -> int:
+    """The line of the first line event after ``block[i]`` (a stop on ``line``), where a debugger
+    that its ``breakpoint()`` starts stops (pdb's ``set_trace`` waits for the frame's next event):
+    the next statement; at the end of a loop's body, the loop's head; of a ``with`` block, its
+    ``with`` line (``__exit__``); of a ``try`` body, its ``else`` or ``finally``; of an ``if``
+    block, what follows the ``if``; at the end of the function, its return, on ``line`` itself.
+    The other stops compiled in (``inserted``) run on lines of their own anchors and are skipped."""
+    while True:
+        rest = [stmt for stmt in block[i + 1:] if id(stmt) not in inserted]
+        if rest:
+            return rest[0].lineno
+        if block is func.body:
+            return line
+        parent, field = _parent_of(func, block)
+        if parent is None:
+            return line
+        if isinstance(parent, (ast.For, ast.AsyncFor, ast.While)) and field == "body":
+            return parent.lineno
+        if isinstance(parent, (ast.With, ast.AsyncWith)):
+            return parent.lineno
+        if isinstance(parent, ast.Try) and field == "body" and parent.orelse:
+            return parent.orelse[0].lineno
+        if isinstance(parent, ast.Try) and field != "finalbody" and parent.finalbody:
+            return parent.finalbody[0].lineno
+        try:
+            block, i = _block_of(func, parent)
+        except ValueError:     # a block this walk does not know (a ``match`` case)
+            return line
+
+
+def _parent_of(tree: ast.AST, block: list) -> tuple[Optional[ast.AST], str]:
+    """The statement whose ``body``, ``orelse`` or ``finalbody`` is ``block``, and which; an
+    ``except`` clause's body answers as its ``try`` (``"handlers"``); ``(None, "")`` if none."""
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            if getattr(node, field, None) is block:
+                if isinstance(node, ast.ExceptHandler):
+                    return next(t for t in ast.walk(tree) if isinstance(t, ast.Try)
+                                and node in t.handlers), "handlers"
+                return node, field
+    return None, ""
+
+
+def debugger_line(step_id: str, frame: Any) -> int:
+    """Where a debugger started by stop ``step_id`` in ``frame`` stops: the next line to run (the
+    stop itself runs on its anchor's line, ``frame.f_lineno``). What the banner and the tour
+    print, so that their ``file:line`` is pdb's."""
+    return _resume.get((frame.f_code.co_filename, frame.f_lineno, step_id), frame.f_lineno)
 
 
 def _block_of(tree: ast.AST, target: ast.stmt) -> tuple[list, int]:
@@ -203,6 +259,7 @@ def disarm() -> None:
 
 def _restore() -> None:
     BREAKS.clear()
+    _resume.clear()
     for func, code in _original.items():
         func.__code__ = code
     _original.clear()
@@ -230,7 +287,7 @@ def banner(step: Any, frame: Any) -> list[str]:
     to look at (the step's ``show``); and the "why" lines of its note (``step_table.NOTES``), with
     no tokenizer, so ids stay ids. A note that fails is left out: the stop must never break the run."""
     lines = [f"minivllm step {step.id}: {step.article} "
-             f"[{frame.f_code.co_filename}:{frame.f_lineno} {step.function}]",
+             f"[{frame.f_code.co_filename}:{debugger_line(step.id, frame)} {step.function}]",
              f"  look at: {step.show}"]
     from minivllm.step_table import NOTES
     if step.id in NOTES:

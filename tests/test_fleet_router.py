@@ -246,3 +246,36 @@ def test_the_ingress_counts_a_request_on_its_pick_while_it_streams_and_not_after
         await gen.aclose()                                      # the client went away
         assert proxy.blocks_in_flight["decode"]["r9"] == 0 and streams[-1].cancelled
     asyncio.run(run())
+
+
+def test_the_routing_figure_draws_the_best_hit_rate_per_turn_and_no_router_above_it():
+    """Notebook 06's figure of figures/fleet_multiturn.json: the ideal (one engine holding every
+    earlier turn) is drawn per turn, not as one average over all turns, and agrees with the
+    saved run's totals; at no turn does a router's hit rate rise above it."""
+    pytest.importorskip("matplotlib")
+    import json
+    import os
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minivllm.bench.fleet_multiturn import IDEAL_LABEL, plot_multiturn
+    path = os.path.join(os.path.dirname(__file__), "..", "figures", "fleet_multiturn.json")
+    with open(path) as f:
+        result = json.load(f)
+    ideal, tokens = result["ideal_hit_rate_per_turn"], result["ideal_prompt_tokens_per_turn"]
+    assert sum(h * n for h, n in zip(ideal, tokens)) / sum(tokens) == pytest.approx(
+        result["ideal_hit_rate"], abs=1e-12)
+    assert all(row["prompt_tokens"] == sum(tokens) for row in result["table"].values())
+    fig = plot_multiturn(result)
+    try:
+        drawn = {line.get_label(): list(line.get_ydata()) for line in fig.axes[0].get_lines()}
+    finally:
+        plt.close(fig)
+    best = drawn.pop(IDEAL_LABEL)
+    assert best == [100 * h for h in ideal] and len(set(best)) == len(best)
+    assert set(drawn) == set(result["table"])
+    for router, rates in drawn.items():
+        assert len(rates) == len(best)
+        assert all(r <= b + 1e-9 for r, b in zip(rates, best)), (router, rates, best)

@@ -189,7 +189,12 @@ EXPECTED = {
                                       "-> rejected",
                                       "residual = max(p_target - p_draft, 0) / sum  (one-hot",
                                       "<- recovered", "<- draft", "recovered token: ",
-                                      "share of 2000 races", "lookahead 3 = ",
+                                      "share of 2000 races",
+                                      # the lookahead slots cost the draft model one more block
+                                      "n-gram     : computed  26 + scheduled 4 (1 + 3 drafts) + "
+                                      "lookahead 0 = 30 slots needed -> 2 blocks of 16",
+                                      "draft model: computed  26 + scheduled 4 (1 + 3 drafts) + "
+                                      "lookahead 3 = 33 slots needed -> 3 blocks of 16",
                                       "target forwards (1.00 tokens per forward)",
                                       "identical greedy tokens with and without speculation: True",
                                       "drafts counted (the sampler)", "<- differs",
@@ -213,7 +218,11 @@ EXPECTED = {
                                   "Medusa   identical greedy tokens to plain: True",
                                   "EAGLE-3  identical greedy tokens to plain: True",
                                   "\u2713 eagle_first_pass_inputs"],
-    "06_pd_at_scale.ipynb": ["keys,", "1P+2D via the proxy", "children still running: []",
+    "06_pd_at_scale.ipynb": ["decode instances in turn: decode0, decode1, decode0, decode1",
+                             "keys,", "chunks, each 1 meta key + 30 value keys (layers 0..29)",
+                             "  meta           tokens [0, 64), shape [2, 64, 192] float32",
+                             "ideal hit rate per turn (one big cache): ",
+                             "1P+2D via the proxy", "children still running: []",
                              "failed requests: []", "s  prefill 1->2 (",
                              "queued prompt tokens / 1000 per replica, wanted for",
                              "Ray processes still running: []",

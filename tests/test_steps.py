@@ -1,6 +1,7 @@
 """Article-step breakpoints (minivllm/steps.py): every id has its one hook line in the function the
 registry names; ids are checked; a real pdb stops once per requested id; outputs do not change."""
 import os
+import re
 import subprocess
 import sys
 
@@ -106,8 +107,12 @@ def test_pdb_fed_c_stops_once_per_requested_id(tiny_llama_dir):
     assert proc.stdout.count("(Pdb)") == 3, proc.stdout[-2000:]
     for step_id in ("spec.1", "spec.4", "spec.7"):
         assert proc.stderr.count(f"minivllm step {step_id}:") == 1, proc.stderr[-2000:]
-    # pdb stops in the engine's own frame, at the hook line's successor in that function.
+    # pdb stops in the engine's own frame, at the hook line's successor in that function: the
+    # line each banner names.
     assert "scheduler.py" in proc.stdout and "rejection_sampler.py" in proc.stdout
+    banners = re.findall(r"minivllm step \S+: .* \[(\S+\.py):(\d+) ", proc.stderr)
+    pdb_at = re.findall(r"> (\S+\.py)\((\d+)\)", proc.stdout)
+    assert banners == pdb_at and len(banners) == 3, (banners, pdb_at)
     assert "OUT [[" in proc.stdout
 
 
@@ -243,3 +248,77 @@ def test_disarm_forgets_the_asked_ids(monkeypatch):
         "kv_transfer_config."]
     steps.disarm()
     assert steps.never_fired() == [] and steps.BREAKS == {}
+
+
+FLOW = '''import contextlib
+class Host:
+    def method(self, xs):
+        total = 0
+        for x in xs:
+            total += x
+        with contextlib.nullcontext():
+            total += 1
+        try:
+            total += 2
+        finally:
+            total += 3
+        if total:
+            total += 4
+
+        return total
+
+    def tail(self):
+        done = True
+'''
+# id -> (function, anchor, inside, the anchor's successor pdb stops at: what it starts with)
+FLOW_STOPS = {"test.next": ("method", "total = 0", False, "for x in xs:"),
+              "test.loop": ("method", "total += x", False, "for x in xs:"),
+              "test.with": ("method", "total += 1", False, "with contextlib"),
+              "test.try": ("method", "total += 2", False, "total += 3"),
+              "test.inside": ("method", "if total:", True, "total += 4"),
+              "test.if": ("method", "total += 4", False, "return total"),
+              "test.return": ("tail", "done = True", False, "done = True")}
+
+
+def test_the_banner_names_the_line_pdb_stops_at(tmp_path, monkeypatch, capsys):
+    """A stop runs on its anchor's line, and pdb (the default ``breakpoint()``) stops at the next
+    line event in that frame: the next statement, a loop's head at the end of its body, a ``with``
+    line at the end of its block, a ``finally``, the statement after an ``if``, the return at the
+    function's end. The banner's ``file:line`` (``steps.debugger_line``) is that line."""
+    import importlib
+    import io
+    import pdb
+    from minivllm import step_table
+    (tmp_path / "flow_host.py").write_text(FLOW)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    host = importlib.import_module("flow_host").Host
+    lines = FLOW.splitlines()
+    by_function = {}
+    for step_id, (function, anchor, inside, _) in FLOW_STOPS.items():
+        step = steps.Step(step_id, "a test stop", f"Host.{function}", "", "0", anchor=anchor,
+                          inside=inside)
+        monkeypatch.setitem(step_table.REGISTRY, step_id, step)
+        by_function.setdefault(function, []).append((step, anchor))
+    monkeypatch.setattr(steps, "BREAKS", dict.fromkeys(FLOW_STOPS, True))
+    monkeypatch.setattr(steps, "quiet", False)
+    pdb_out = {}
+
+    def hook(*args, **kwargs):       # what PYTHONBREAKPOINT's default does, fed "c"
+        pdb_out[steps.current.id] = out = io.StringIO()
+        pdb.Pdb(stdin=io.StringIO("c\n"), stdout=out, readrc=False).set_trace(sys._getframe(1))
+
+    monkeypatch.setattr(sys, "breakpointhook", hook)
+    originals = {f: getattr(host, f).__code__ for f in by_function}
+    try:
+        for function, stops in by_function.items():
+            getattr(host, function).__code__ = steps._compile_stops(getattr(host, function), stops)
+        assert host().method([1, 2]) == 13 and host().tail() is None
+    finally:
+        for function, code in originals.items():
+            getattr(host, function).__code__ = code
+    banners = dict(re.findall(r"minivllm step (\S+): .*flow_host\.py:(\d+) ",
+                              capsys.readouterr().err))
+    for step_id, (_, _, _, successor) in FLOW_STOPS.items():
+        stopped = int(re.search(r"flow_host\.py\((\d+)\)", pdb_out[step_id].getvalue()).group(1))
+        assert lines[stopped - 1].strip().startswith(successor), (step_id, stopped)
+        assert int(banners[step_id]) == stopped, (step_id, banners[step_id], stopped)

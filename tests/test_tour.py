@@ -39,6 +39,15 @@ def test_tour_spec_in_order_at_the_documented_functions(tiny_llama_dir):
         assert needle in out, needle
     spec6 = out.split("\nspec.6\n", 1)[1].split("\nspec.7\n", 1)[0]
     assert "prefill chunk" in spec6 and "verify of" in spec6, spec6
+    # Every numbered step says why: spec.1 the rows the LM head reads, spec.8 the stop condition.
+    spec1 = out.split("\nspec.1\n", 1)[1].split("\nspec.2\n", 1)[0]
+    assert "why: req 0: rows 0..14 (15 tokens) -> logits rows [14] (a prefill samples one " \
+        "token, from its last prompt row)" in spec1, spec1
+    assert re.search(r"why: logits \(3, \d+\) = \(rows picked, vocabulary\): the LM head runs on "
+                     r"3 of the 27 hidden states", spec1), spec1
+    spec8 = out.split("\nspec.8\n", 1)[1].split("\ntour done", 1)[0]
+    assert re.search(r"why: check_stop: .*, so FINISHED_", spec8), spec8
+    assert "why: it runs after each token appended: this step gave the request " in spec8, spec8
     assert re.search(r"where: +minivllm/core/sched/scheduler.py:\d+ +in Scheduler.schedule", out)
     assert steps.BREAKS == {}                               # the tour disarms what it armed
 
@@ -53,6 +62,12 @@ def test_tour_cli_pdb_fed_c_stops_once_per_step(tiny_llama_dir):
     assert ids == list(tour.TOURS["spec"])
     assert proc.stdout.count("(Pdb)") == len(tour.TOURS["spec"]), proc.stdout[-3000:]
     assert "-> scheduled_running_reqs.append(request)" in proc.stdout   # pdb in the engine's frame
+    # Each stop's "where:" is the line pdb then stops at (the next line to run), in the same file.
+    where = re.findall(r"where: +(\S+\.py):(\d+) ", proc.stdout)
+    pdb_at = re.findall(r"> (\S+\.py)\((\d+)\)", proc.stdout)
+    assert len(where) == len(pdb_at) == len(tour.TOURS["spec"]), proc.stdout[-3000:]
+    for (file, line), (pdb_file, pdb_line) in zip(where, pdb_at):
+        assert pdb_file.endswith(file) and line == pdb_line, (file, line, pdb_file, pdb_line)
 
 
 def test_tour_pd_in_order_with_a_real_transfer(tiny_llama_dir):
@@ -78,6 +93,15 @@ def test_tour_pd_in_order_with_a_real_transfer(tiny_llama_dir):
     layer_save = prefill.split("\npd.layer_save\n", 1)[1].split("\npd.exit\n", 1)[0]
     assert "_layerwise" not in layer_save and "returns at once" not in layer_save, layer_save
     assert "gathers this layer's rows" in layer_save and "in wait_for_save" in layer_save
+    # md.slot_mapping is the batch's (40 + 5 + 7 slots); the 40-token prompt stores 32 rows of
+    # it, the 5- and 7-token prompts none.
+    assert "tuple(md.slot_mapping.shape) = (52,)" in layer_save, layer_save
+    assert "why: md.slot_mapping is the whole batch's: one paged-cache slot per token this step " \
+        "computes, 52 = 40 + 5 + 7 (3 requests)" in layer_save, layer_save
+    assert "stores (each request's own slot mapping): req 0 tokens [0, 32), 32 rows" in layer_save
+    assert "the 5- and 7-token prompts, no longer than one block, store nothing" in layer_save
+    decode_save = decode.split("\npd.layer_save\n", 1)[1].split("\npd.exit\n", 1)[0]
+    assert "computes, 20 = 8 + 5 + 7 (3 requests)" in decode_save, decode_save
     assert "(pd.async_wait and pd.async_ready need an asynchronous load: python -m minivllm.tour " \
         "pd --connector redis)" in out
     assert "these files are the prefill instance's" in decode

@@ -74,3 +74,27 @@ def test_the_probe_records_the_sampler_tensors_and_goes_away(tiny_llama_dir):
             assert probs.shape[0] == sum(ev["num_draft_tokens"])
             for t, p in enumerate(positions):          # the record's p_target is the same tensor's
                 assert abs(probs[t, p["draft_token_id"]].item() - p["p_target"]) < 1e-6
+
+
+def test_slot_rows_counts_what_was_computed_before_the_step_and_the_lookahead_block(tiny_llama_dir):
+    """A draft model's first verify, 10 prompt tokens in: ``computed`` is the KV written before the
+    step (the first position the step feeds), and the k lookahead slots take the request past
+    its first 16-token block: 10 + 4 fits in one, 10 + 4 + 3 needs a second."""
+    from minivllm import LLM, SamplingParams
+    from minivllm.learn.viz.residual import slot_rows
+    llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True,
+              speculative_config={"method": "draft_model", "draft_num_layers": 1,
+                                  "num_speculative_tokens": 3})
+    engine = llm.llm_engine
+    engine.tracer.enabled = True
+    engine.add_request("r", {"prompt_token_ids": list(range(5, 15))},
+                       SamplingParams(temperature=0, max_tokens=8))
+    while engine.has_unfinished_requests():
+        engine.step()
+    step = next(s for s in engine.tracer.steps
+                if s.first("schedule")["scheduled_spec_decode_tokens"].get("r"))
+    scheduler = engine.engine_core.scheduler
+    rows = slot_rows(step, "r", scheduler.block_size, scheduler.num_lookahead_tokens)
+    assert rows["computed"] == step.first("slot_mapping")["positions"][0] == 10
+    assert (rows["scheduled"], rows["drafts"], rows["lookahead"]) == (4, 3, 3)
+    assert (rows["block_size"], rows["blocks"], rows["reserved"]) == (16, 2, 32)

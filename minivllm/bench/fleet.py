@@ -127,6 +127,9 @@ def main(argv=None) -> None:
     ap.add_argument("--save", default="figures/fleet_multiturn.json",
                     help="multiturn: the table, per-turn series and one route, as JSON "
                          "(notebook 06 draws its figure from it); empty: not saved")
+    ap.add_argument("--ideal-only", action="store_true",
+                    help="multiturn: replay only the one-engine ideal of the run saved in --save "
+                         "(no fleet), and write its hit rate per turn there")
     ap.add_argument("--phase-s", type=float, default=15.0, help="seconds per workload phase")
     ap.add_argument("--max", type=int, default=2, help="the autoscaled fleet's max per role")
     ap.add_argument("--prefill-target-queued-tokens", type=int, default=1000)
@@ -134,9 +137,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.workload == "multiturn":
         from minivllm.entrypoints.openai.api_server import DEFAULT_MODEL
-        from minivllm.bench.fleet_multiturn import main_multiturn
+        from minivllm.bench.fleet_multiturn import main_ideal_only, main_multiturn
         args.model = args.model or DEFAULT_MODEL
-        return main_multiturn(args)
+        return main_ideal_only(args) if args.ideal_only else main_multiturn(args)
     if args.model is None:
         ap.error("--model is required for --workload mix")
     rows = {"fixed 1P+1D": run_once(args, (1, 1)),

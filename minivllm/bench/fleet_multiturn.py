@@ -3,14 +3,16 @@
 prefill + 2 decode), so that only routing differs: prompt tokens computed, prefix-cache hit rate
 against one engine with a cache big enough for everything, remote prefills skipped, TTFT, failures,
 and whether greedy outputs agree. Every number comes from the client's streams (their usage) and
-the fleet's own records (``routes``). ``--save FILE`` writes the table and one example route as
-JSON.
+the fleet's own records (``routes``). ``--save FILE`` writes the table, the ideal's hit rate per
+turn and one example route as JSON; ``plot_multiturn`` draws it (notebook 06), and
+``--ideal-only`` replays only the ideal of a saved run, without the fleet.
 """
 from __future__ import annotations
 
 import json
 import threading
 import time
+from typing import Optional
 
 import httpx
 
@@ -116,30 +118,36 @@ def multiturn_counts(run: dict) -> dict:
     return {"rows": rows}
 
 
-def ideal_hits(args, runs: dict) -> tuple[int, int]:
+def ideal_hits(args, replies: Optional[dict] = None) -> tuple[list[int], list[int]]:
     """One engine with a cache big enough for everything, fed the same prompts in the same turn
     order (turn 1 of every conversation, then turn 2, ...) and generating the same replies, so it
-    holds each reply's KV as a decode replica does: its prefix-cache hits and the prompt tokens,
-    from its own ``num_cached_tokens``."""
+    holds each reply's KV as a decode replica does: per turn, its prefix-cache hits and the prompt
+    tokens, from its own ``num_cached_tokens``. At each turn that is the best any router can get:
+    the engine holds every earlier turn of every conversation, as a router that always picks the
+    replica holding the conversation would find it.
+
+    ``replies``: ``{(conversation, turn): text}``, the fleet's replies; ``None``: the engine's own
+    (greedy, the same ``max_tokens``: the fleet's, where greedy decoding agrees)."""
     from minivllm import LLM, SamplingParams
     from minivllm.model_executor.model_loader import load_tokenizer, resolve_model_path
     tok = load_tokenizer(resolve_model_path(args.model))
-    first = next(iter(runs.values()))["turns"]
     llm = LLM(model=args.model, max_model_len=2048)
-    hits = total = 0
+    own: dict = {}
+    hits, totals = [], []
     for t in range(args.turns):
         prompts = []
         for c in range(args.conversations):
-            messages = _messages(c, [first[(c, k)]["text"] for k in range(t)])
+            messages = _messages(c, [(replies or own)[(c, k)] for k in range(t)])
             text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             prompts.append({"prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         # Greedy and the same max_tokens as the fleet's turns: the replies the fleet gave (a
         # prompt-only replay would cache the earlier prompts but never the replies in them).
-        for out in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens),
-                                use_tqdm=False):
-            hits += out.num_cached_tokens
-            total += len(out.prompt_token_ids)
-    return hits, total
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens),
+                            use_tqdm=False)
+        hits.append(sum(out.num_cached_tokens for out in outs))
+        totals.append(sum(len(out.prompt_token_ids) for out in outs))
+        own.update({(c, t): out.outputs[0].text for c, out in enumerate(outs)})
+    return hits, totals
 
 
 def _own_ray() -> object:
@@ -169,8 +177,10 @@ def main_multiturn(args) -> None:
         ray.shutdown()
         cluster.shutdown()
     counts = {r: multiturn_counts(run) for r, run in runs.items()}
-    ideal_hit, ideal_total = ideal_hits(args, runs)
-    ideal = ideal_hit / max(1, ideal_total)
+    first = next(iter(runs.values()))["turns"]
+    ideal_hit, ideal_total = ideal_hits(args, {k: out["text"] for k, out in first.items()})
+    ideal = sum(ideal_hit) / max(1, sum(ideal_total))
+    ideal_per_turn = [h / max(1, n) for h, n in zip(ideal_hit, ideal_total)]
     texts = {r: [row["text"] for row in c["rows"]] for r, c in counts.items()}
     same = all(t == texts[routers[0]] for t in texts.values())
 
@@ -212,6 +222,8 @@ def main_multiturn(args) -> None:
                     if len(r["candidates"]) > 1 and any(c["cached_blocks"] for c in r["candidates"])),
                    None)
     result = {"table": table, "identical": same, "ideal_hit_rate": ideal,
+              "ideal_hit_rate_per_turn": ideal_per_turn,
+              "ideal_prompt_tokens_per_turn": ideal_total,
               "example_route": example, "command": "python -m minivllm.bench fleet "
               f"--workload multiturn --conversations {args.conversations} --turns {args.turns} "
               f"--max-tokens {args.max_tokens} --pd-min-uncached-tokens "
@@ -221,3 +233,57 @@ def main_multiturn(args) -> None:
         with open(args.save, "w") as f:
             json.dump(result, f, indent=1)
     print("BENCH_FLEET_MULTITURN " + json.dumps(result))
+
+
+def main_ideal_only(args) -> None:
+    """``--ideal-only``: the one-engine ideal of a saved run (``--save``) again, per turn, without
+    the fleet: the engine's own greedy replies stand for the fleet's, and must give the saved run's
+    prompts (the same prompt tokens, and the same hit rate over all turns) before the per-turn
+    numbers are written into the file."""
+    with open(args.save) as f:
+        result = json.load(f)
+    hits, totals = ideal_hits(args)
+    saved = {row["prompt_tokens"] for row in result["table"].values()}
+    ideal = sum(hits) / max(1, sum(totals))
+    if saved != {sum(totals)} or abs(ideal - result["ideal_hit_rate"]) > 1e-12:
+        raise SystemExit(f"the replay's prompts are not the saved run's: {sum(totals)} prompt "
+                         f"tokens (saved: {sorted(saved)}), hit rate {ideal:.6f} (saved: "
+                         f"{result['ideal_hit_rate']:.6f}); run the whole benchmark again")
+    result["ideal_hit_rate_per_turn"] = [h / max(1, n) for h, n in zip(hits, totals)]
+    result["ideal_prompt_tokens_per_turn"] = totals
+    with open(args.save, "w") as f:
+        json.dump(result, f, indent=1)
+    print("ideal hit rate per turn: " + ", ".join(
+        f"{h:.1%}" for h in result["ideal_hit_rate_per_turn"]))
+
+
+IDEAL_LABEL = "one big cache: the best at each turn"
+
+
+def plot_multiturn(result: dict, path: Optional[str] = None):
+    """Notebook 06's figure of a saved run (``--save``): per turn, each router's prefix-cache hit
+    rate beside the ideal's at that turn (one engine holding every earlier turn: no router can do
+    better at any turn), and the prompt tokens each router's fleet computed. Returns the figure,
+    also saved to ``path`` if given."""
+    import matplotlib.pyplot as plt
+    table, ideal = result["table"], result["ideal_hit_rate_per_turn"]
+    turns = range(1, len(ideal) + 1)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for router, row in table.items():
+        axes[0].plot(turns, [100 * h for h in row["hit_rate_per_turn"]], marker="o", label=router)
+    axes[0].plot(turns, [100 * h for h in ideal], ls="--", c="gray", label=IDEAL_LABEL)
+    axes[0].set_xlabel("turn")
+    axes[0].set_ylabel("prefix-cache hit rate, %")
+    axes[0].legend(fontsize=8)
+    width = 0.8 / len(table)
+    for i, (router, row) in enumerate(table.items()):
+        axes[1].bar([t + (i - (len(table) - 1) / 2) * width for t in turns],
+                    row["computed_per_turn"], width, label=router)
+    axes[1].set_xlabel("turn")
+    axes[1].set_ylabel("prompt tokens computed")
+    axes[1].legend(fontsize=8)
+    fig.suptitle("Where a turn goes decides how much of its prompt is computed")
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    return fig

@@ -12,6 +12,10 @@ Every request is served in two stages, with the same ``X-Request-Id`` on both:
    ``kv_transfer_params``; it loads the prompt's KV, recomputes only the last prompt token, and
    its answer (a stream or not) goes back to the client as it comes.
 
+Only those requests take a turn: ``GET /v1/models`` asks the decode instance next in turn (the
+next one up, if it is down) and leaves the rotation where it is (a client that lists the models
+before each chat still gets its chats spread over the decode instances).
+
 Bodies are validated with the server's own request models first: a malformed one is a 400 from
 the proxy (OpenAI's error JSON, ``error.param`` naming the field) and reaches no instance. A 4xx
 from an instance (a prompt too long for the model, an unknown model) reaches the client unchanged.
@@ -70,12 +74,19 @@ class RoundRobin:
         self._next = 0
 
     def order(self) -> list[Instance]:
-        """Every instance once, starting at the next in turn, the ones marked down last."""
+        """Every instance once, starting at the next in turn, the ones marked down last; a
+        request takes the turn, so the next call starts one further on."""
+        ring = self.peek()
+        if self.instances:
+            self._next = (self._next + 1) % len(self.instances)
+        return ring
+
+    def peek(self) -> list[Instance]:
+        """The same list, the turn left where it is: for a call that is not a request to serve
+        (``GET /v1/models``, which an OpenAI client sends before each chat in some code: were it
+        to take a turn, every chat after it would land on the same instance)."""
         n = len(self.instances)
-        if n == 0:
-            return []
-        start, self._next = self._next, (self._next + 1) % n
-        ring = [self.instances[(start + i) % n] for i in range(n)]
+        ring = [self.instances[(self._next + i) % n] for i in range(n)]
         now = time.monotonic()
         return [i for i in ring if i.down_until <= now] + [i for i in ring if i.down_until > now]
 
@@ -193,8 +204,9 @@ class DisaggProxy:
         return _error(f"no decode instance answered (tried {', '.join(tried)}).", 503)
 
     async def models(self) -> Response:
-        """``GET /v1/models``: a decode instance's answer."""
-        for inst in self.decode.order():
+        """``GET /v1/models``: the answer of the decode instance next in turn (or the next one
+        up), asked without taking a request's turn (``RoundRobin.peek``)."""
+        for inst in self.decode.peek():
             try:
                 r = await self.client.get(inst.url + "/v1/models", timeout=5.0, headers=self.auth)
                 return Response(r.content, r.status_code, media_type="application/json")

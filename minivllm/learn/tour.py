@@ -2,9 +2,10 @@
 
 The tour runs the article's example (``minivllm/examples/``) with every step of that part armed as a
 breakpoint (``minivllm/steps.py``) and replaces ``sys.breakpointhook`` for the run: at each stop it
-prints the step id on its own line, the article's sentence in our words, ``file:line`` and function,
-the values that matter there, read from the engine's live frame, and the step's note (why the
-numbers are what they are, ids as text: ``step_table.NOTES``); then it waits for Enter.
+prints the step id on its own line, the article's sentence in our words, ``file:line`` (where pdb
+then stops: the next line to run) and function, the values that matter there, read from the
+engine's live frame, and the step's note (why the numbers are what they are, ids as text:
+``step_table.NOTES``); then it waits for Enter.
 ``--pdb`` opens pdb in that frame instead (``c`` goes on to the next step); ``--no-wait`` runs
 straight through (CI); ``--ide`` leaves ``breakpoint()`` to the debugger already in charge (VS Code's
 debugpy stops in the engine's frame). ``--plain`` runs the forward on the reference paths (attention
@@ -148,7 +149,8 @@ def describe_frame(step: steps.Step, frame: Any, tour: Optional["Tour"] = None) 
     path = frame.f_code.co_filename
     here = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
     lines = [f"  article: {step.article}",
-             f"  where:   {here}:{frame.f_lineno}  in {frame.f_code.co_qualname}"]
+             f"  where:   {here}:{steps.debugger_line(step.id, frame)}  in "
+             f"{frame.f_code.co_qualname}"]
     for node in ast.parse(f"({step.show},)", mode="eval").body.elts:
         expr = ast.unparse(node)
         try:
@@ -187,8 +189,8 @@ class Tour:
         """Installed as ``sys.breakpointhook``: the engine's ``breakpoint()`` lands here."""
         frame = sys._getframe(1)
         step = steps.current
-        self.stops.append(Stop(step.id, self.instance, frame.f_code.co_filename, frame.f_lineno,
-                               frame.f_code.co_qualname))
+        self.stops.append(Stop(step.id, self.instance, frame.f_code.co_filename,
+                               steps.debugger_line(step.id, frame), frame.f_code.co_qualname))
         tag = f"  ({self.instance} instance)" if self.instance else ""
         print(f"\n[{len(self.stops)}]{tag}", file=self.out)
         print(step.id, file=self.out)

@@ -199,11 +199,14 @@ def render_logits_rows_text(step: StepRecord) -> str:
 
 def slot_rows(step: StepRecord, req_id: str, block_size: int, lookahead: int) -> dict[str, int]:
     """One request's KV slots at a step, from its ``"kv_cache"`` and ``"schedule"`` records:
-    ``computed`` (KV already written), ``scheduled`` (this step: 1 sampled token + the drafts),
-    ``lookahead`` (the scheduler's ``num_lookahead_tokens``, passed in), ``reserved`` (whole blocks)."""
+    ``computed`` (KV already written before this step), ``scheduled`` (this step: 1 sampled token +
+    the drafts), ``lookahead`` (the scheduler's ``num_lookahead_tokens``, passed in), ``reserved``
+    (whole blocks). The ``"kv_cache"`` record is taken after ``_update_after_schedule``, whose
+    ``num_computed_tokens`` already counts this step's tokens: they are taken off again."""
     kv, sched = step.first("kv_cache"), step.first("schedule")
-    return {"computed": kv["num_computed_tokens"][req_id],
-            "scheduled": sched["num_scheduled_tokens"][req_id],
+    scheduled = sched["num_scheduled_tokens"][req_id]
+    return {"computed": kv["num_computed_tokens"][req_id] - scheduled,
+            "scheduled": scheduled,
             "drafts": len(sched["scheduled_spec_decode_tokens"].get(req_id, [])),
             "lookahead": lookahead, "blocks": len(kv["block_tables"][req_id]),
             "reserved": len(kv["block_tables"][req_id]) * block_size, "block_size": block_size}

@@ -176,6 +176,14 @@ def test_both_routers_keep_their_pool_and_choose_as_they_say():
     turns = [asyncio.run(rr.choose_replicas(replicas))[0][0].replica_id.unique_id
              for _ in range(3)]
     assert turns == ["a", "b", "a"] and asyncio.run(rr.choose_replicas([])) == []
+    # A models list (the ingress marks a GET "turn": False) asks "b", whose turn it is, and the
+    # next chat still goes to "b": listing the models before each chat takes no turn.
+    listing = SimpleNamespace(kwargs={ROUTING_KWARG: {"replica": None, "turn": False}})
+    chat = SimpleNamespace(kwargs={ROUTING_KWARG: {"replica": None, "turn": True}})
+    pairs = [(asyncio.run(rr.choose_replicas(replicas, listing))[0][0].replica_id.unique_id,
+              asyncio.run(rr.choose_replicas(replicas, chat))[0][0].replica_id.unique_id)
+             for _ in range(3)]
+    assert pairs == [("b", "b"), ("a", "a"), ("b", "b")]
     picked = SimpleNamespace(kwargs={ROUTING_KWARG: {"replica": "b"}})
     assert asyncio.run(kv.choose_replicas(replicas, picked)) == [[replicas[0]]]
 

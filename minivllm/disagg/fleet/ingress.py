@@ -110,8 +110,10 @@ class FleetIngress:
                     method: str = "POST") -> AsyncIterator[Any]:
         """The role's ``generate`` through its handle, streamed; counted in flight on ``replica``
         (the pick) from now, so that the next pick sees it, else on the replica that answers."""
+        # A GET (the models list) takes no round-robin turn: it is not a request to balance.
         gen = self.handles[role].options(stream=True).generate.remote(
-            path, body, request_id, routing={"replica": replica}, method=method)
+            path, body, request_id, routing={"replica": replica, "turn": method != "GET"},
+            method=method)
         uid, done = replica, False
         if uid is not None:
             self._count(role, uid, num_blocks, +1)

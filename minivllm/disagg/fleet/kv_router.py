@@ -18,7 +18,6 @@ only Ray Serve LLM's own ingress builds (``ray.llm._internal``), with NVIDIA Dyn
 """
 from __future__ import annotations
 
-import itertools
 from typing import Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -58,18 +57,23 @@ class KVRouter(PoolRouter):
 
 
 class RoundRobinRouter(PoolRouter):
-    """Each candidate in turn (the URL proxy's policy, for comparison)."""
+    """Each candidate in turn (the URL proxy's policy, for comparison). A request the ingress
+    marks ``"turn": False`` (a ``GET /v1/models``) asks the replica whose turn it is without taking
+    the turn: a client that lists the models before each chat still has its chats alternate."""
 
     def initialize_state(self, pool: str = "") -> None:
         super().initialize_state(pool)
-        self._turn = itertools.count()
+        self._turn = 0
 
     async def choose_replicas(self, candidate_replicas: list,
                               pending_request: Optional[PendingRequest] = None) -> list:
         if not candidate_replicas:
             return []
         ring = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
-        return [[ring[next(self._turn) % len(ring)]]]
+        chosen = ring[self._turn % len(ring)]
+        if _routing(pending_request).get("turn", True):
+            self._turn += 1
+        return [[chosen]]
 
 
 ROUTERS = {"kv": "minivllm.disagg.fleet.kv_router.KVRouter",

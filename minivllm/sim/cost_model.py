@@ -56,7 +56,7 @@ class StepShape:
     num_decode_reqs: int = 0
     num_prefill_tokens: int = 0      # sum of q over prefill requests
     num_decode_tokens: int = 0       # one per decode request
-    num_draft_tokens: int = 0        # drafts scheduled for verification (scheduled_spec_decode_tokens)
+    num_draft_tokens: int = 0        # drafts verified (scheduled_spec_decode_tokens)
     # Keys attended, summed: a prefill chunk's token i attends c + i + 1 keys, so a chunk of q adds
     # q * c + q * (q + 1) / 2; a decode request reads its whole KV once, c + 1 + drafts.
     prefill_context_sum: int = 0
@@ -125,7 +125,8 @@ class Acceptance:
     """Measured drafting: ``accepted_length_probs[a]`` is the probability that a proposal of
     ``num_speculative_tokens`` drafts has its first ``a`` accepted (a = 0..k); a shorter
     proposal (the request's remaining length caps it) accepts at most what it has.
-    ``draft_probability``: how often a request that samples gets drafts at all."""
+    ``draft_probability``: how often a request that samples gets drafts at all;
+    ``num_observed``: the verifies it was measured on."""
     method: str
     num_speculative_tokens: int
     accepted_length_probs: list[float]
@@ -147,18 +148,28 @@ class Acceptance:
     @classmethod
     def measure(cls, method: str, k: int, verified: Sequence[tuple[int, int]],
                 num_sampling: int, num_proposing: int) -> "Acceptance":
-        """From a real run: ``verified`` = (drafts scheduled, drafts accepted) per verify; only
-        full proposals of ``k`` enter the distribution. ``num_proposing`` of the
-        ``num_sampling`` sampled request-steps got drafts."""
-        counts = [0] * (k + 1)
+        """From a real run: ``verified`` = (drafts scheduled, drafts accepted) per verify;
+        ``num_proposing`` of the ``num_sampling`` sampled request-steps got drafts.
+
+        Every verify counts, the short ones too (a proposal cut by the request's remaining
+        length): draft ``i`` was tried when the ``i - 1`` before it were accepted, so the rate of
+        position ``i`` is accepted-at-``i`` over tried-at-``i`` (vLLM's per-position acceptance
+        rate), and the distribution for a full proposal is
+        ``P(a) = r_1 ... r_a (1 - r_{a+1})``. A position never tried has rate 0."""
+        tried, accepted = [0] * (k + 1), [0] * (k + 1)
         for n, a in verified:
-            if n == k:
-                counts[a] += 1
-        if not sum(counts):
-            counts[0] = 1   # no full proposal seen: nothing known to be accepted
-        return cls(method, k, [float(c) for c in counts],
+            for i in range(1, min(a + 1, n) + 1):
+                tried[i] += 1
+                accepted[i] += i <= a
+        probs, reach = [], 1.0
+        for i in range(1, k + 1):
+            rate = accepted[i] / tried[i] if tried[i] else 0.0
+            probs.append(reach * (1.0 - rate))
+            reach *= rate
+        probs.append(reach)
+        return cls(method, k, probs,
                    draft_probability=num_proposing / num_sampling if num_sampling else 1.0,
-                   num_observed=sum(counts))
+                   num_observed=len(verified))
 
     @property
     def mean_accepted(self) -> float:
@@ -218,7 +229,8 @@ class CostModel:
         import numpy as np
         rows = [(s.features(), t) for s, t in samples if s.num_reqs and t > 0]
         if len(rows) < len(COEFFICIENTS):
-            raise ValueError(f"fit needs at least {len(COEFFICIENTS)} timed steps, got {len(rows)}.")
+            raise ValueError(f"fit needs at least {len(COEFFICIENTS)} timed steps, "
+                             f"got {len(rows)}.")
         x = np.array([f for f, _ in rows], dtype=float)
         y = np.array([t for _, t in rows], dtype=float)
         x, ones = x / y[:, None], np.ones_like(y)

@@ -74,8 +74,8 @@ class ProfilingWorker(Worker):
         elapsed = time.perf_counter() - t0
         states = self.model_runner.requests   # updated to this step, nothing sampled yet
         num_tokens = {r: states[r].num_tokens for r in scheduler_output.num_scheduled_tokens}
-        shape = StepShape.from_scheduler_output(
-            scheduler_output, num_tokens, speculating=self.vllm_config.speculative_config is not None)
+        speculating = self.vllm_config.speculative_config is not None
+        shape = StepShape.from_scheduler_output(scheduler_output, num_tokens, speculating)
         record = StepRecord(scheduler_output, shape, elapsed)
         if output is not None:   # nothing scheduled: no sampling follows
             self.records.append(record)
@@ -155,12 +155,15 @@ def run_timed(llm: Any, requests: list[tuple[list[int], int]],
                 on_step()
 
 
-def _scenarios(rng: Any, vocab: int) -> list[tuple[str, list, dict]]:
+def _scenarios(rng: Any, vocab: int, max_model_len: int) -> list[tuple[str, list, dict]]:
     """One round's scenarios: (name, requests, later), fresh tokens (the pattern repeats so that
-    n-gram finds drafts)."""
+    n-gram finds drafts). Lengths are for a context of at least 2,112 tokens; a model with a
+    shorter one gets them scaled down to fit."""
     lo = vocab // 8
+    scale = min(1.0, (max_model_len - 64) / 2048)
 
     def pattern_prompt(n: int) -> list[int]:
+        n = max(2, int(n * scale))
         pattern = rng.integers(lo, vocab, 24).tolist()
         return (pattern * (n // 24 + 1))[:n]
 
@@ -213,6 +216,7 @@ def profile(model: str, minutes: float = 3.0, seed: int = 0, progress: bool = Tr
                            speculative_config=spec)}
     workers = {name: llm.llm_engine.engine_core.worker for name, llm in engines.items()}
     vocab = int(engines["plain"].vllm_config.hf_config.vocab_size)
+    max_model_len = engines["plain"].vllm_config.model_config.max_model_len
     rng = np.random.default_rng(seed)
     budget = minutes * 60.0
     t_start = time.perf_counter()
@@ -220,13 +224,14 @@ def profile(model: str, minutes: float = 3.0, seed: int = 0, progress: bool = Tr
                dynamic_ncols=True, file=sys.stderr)
 
     def tick() -> None:
-        bar.n = min(round(time.perf_counter() - t_start), bar.total)
-        bar.refresh()
+        done = min(int(time.perf_counter() - t_start), bar.total)
+        if done > bar.n:
+            bar.update(done - bar.n)
 
     rounds = 0
     while rounds == 0 or time.perf_counter() - t_start < budget:
         rounds += 1
-        scenarios = _scenarios(rng, vocab)
+        scenarios = _scenarios(rng, vocab, max_model_len)
         for _, requests, later in scenarios:   # plain and spec take turns, scenario by scenario
             for llm in engines.values():
                 run_timed(llm, requests, later, on_step=tick)
@@ -284,7 +289,7 @@ def print_report(cost_model: CostModel, path: str, out: Any = sys.stdout) -> Non
     acc = cost_model.acceptance
     if acc is not None:
         print(f"  acceptance ({acc.method}, k={acc.num_speculative_tokens}, "
-              f"{acc.num_observed} full proposals): P(accepted = 0..k) = "
+              f"{acc.num_observed} verifies): P(accepted = 0..k) = "
               + ", ".join(f"{p:.2f}" for p in acc.accepted_length_probs)
               + f"; drafts proposed on {acc.draft_probability:.0%} of sampled steps", file=out)
     print(f"fit error per shape class (|predicted - measured| / measured):", file=out)

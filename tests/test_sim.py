@@ -231,9 +231,12 @@ def test_profile_times_real_steps_and_fits(tiny_llama_dir):
     cost, samples = profile(tiny_llama_dir, minutes=1e-4, progress=False)
     classes = set(cost.meta["fit_error"])
     assert {"prefill", "decode", "mixed", "decode+spec"} <= classes
+    assert set(cost.meta["wall_error"]) == classes and cost.meta["fitted_to"] == "thread CPU time"
     assert len(samples) == cost.meta["num_samples"] > 100
-    assert all(t > 0 and s.num_reqs for s, t in samples)
+    assert all(wall > 0 and cpu > 0 and s.num_reqs for s, wall, cpu in samples)
     assert min(cost.coefficients.values()) >= 0 and cost.step_s > 0
+    ratios = sorted(wall / cpu for _, wall, cpu in samples)
+    assert cost.contention == pytest.approx(float(np.median(ratios)))
     assert cost.acceptance is not None and cost.acceptance.num_observed > 0
     assert cost.meta["rounds"] == 1 and cost.meta["torch"] and cost.meta["date"]
 
@@ -242,13 +245,15 @@ def test_cost_model_file_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
     path = default_path("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert path == str(tmp_path / "sim" / "HuggingFaceTB--SmolLM2-135M-Instruct.json")
-    model = dataclasses.replace(COST, meta={"machine": "here", "model": "m", "torch": "2",
-                                            "date": "2026-01-01"},
+    model = dataclasses.replace(COST, contention=1.4,
+                                meta={"machine": "here", "model": "m", "torch": "2",
+                                      "date": "2026-01-01"},
                                 acceptance=Acceptance("ngram", 3, [1, 1, 0, 2], 0.5, 4))
     loaded = CostModel.load(model.save(path))
     assert loaded == model
     shapes = _random_shapes(20)
     assert [loaded.predict(s) for s in shapes] == [model.predict(s) for s in shapes]
+    assert loaded.predict(shapes[0]) == pytest.approx(1.4 * COST.predict(shapes[0]))
     assert loaded.acceptance.accepted_length_probs == [0.25, 0.25, 0.0, 0.5]
 
 

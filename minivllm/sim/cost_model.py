@@ -21,9 +21,13 @@ theirs). No article step either: it times the step the article walks through (``
         + drafter_req_s   * num_drafting_reqs    model's k passes), and per request it drafts for
 
   Every coefficient is a time per unit, fitted by non-negative least squares on relative error
-  (``fit``); a step that schedules nothing costs nothing. ``bench roofline``'s speed-up
-  prediction is the same model at batch 1 with two of its terms, taken from the difference of
-  two separately timed medians; see ``fit`` for what changes here.
+  (``fit``); a step that schedules nothing costs nothing. On a CPU with one torch thread the
+  terms are fitted to the step's CPU time (the thread's: what the step itself costs), and
+  ``contention`` (wall seconds per CPU second, the median over the profile's steps) turns them
+  into wall time: on a machine other processes share, a step waits for a core as well (1 on an
+  idle machine; about ``N / cores`` for N busy engines sharing the cores). ``bench roofline``'s
+  speed-up prediction is the same model at batch 1 with two of its terms, taken from the
+  difference of two separately timed medians; see ``fit`` for what changes here.
 - ``Acceptance``: how many drafts a verify step accepts, measured on a real run (the
   distribution of the accepted length for a full proposal of ``k``, and how often the drafter
   proposes at all: n-gram proposes nothing when the context has no match).
@@ -189,11 +193,18 @@ class CostModel:
     decode_attn_s: float = 0.0
     drafter_step_s: float = 0.0
     drafter_req_s: float = 0.0
+    contention: float = 1.0
     meta: dict[str, Any] = field(default_factory=dict)
     acceptance: Optional[Acceptance] = None
 
     def predict(self, shape: StepShape) -> float:
-        """Seconds for a step of this shape (0 for a step that schedules nothing)."""
+        """Wall seconds for a step of this shape (0 for a step that schedules nothing)."""
+        if shape.num_reqs == 0:
+            return 0.0
+        return self.contention * self.predict_terms(shape)
+
+    def predict_terms(self, shape: StepShape) -> float:
+        """The formula's sum, before ``contention``."""
         if shape.num_reqs == 0:
             return 0.0
         t = (self.step_s + self.prefill_token_s * shape.num_prefill_tokens
@@ -210,7 +221,9 @@ class CostModel:
         return {name: getattr(self, name) for name in COEFFICIENTS}
 
     @classmethod
-    def fit(cls, samples: Sequence[tuple[StepShape, float]], **meta: Any) -> "CostModel":
+    def fit(cls, samples: Sequence[tuple[StepShape, float]],
+            wall_seconds: Optional[Sequence[float]] = None,
+            acceptance: Optional[Acceptance] = None, **meta: Any) -> "CostModel":
         """Least squares on the *relative* error, every coefficient >= 0.
 
         Each step gives one row ``features(shape) . c = seconds``, divided by its seconds: a step
@@ -221,7 +234,9 @@ class CostModel:
         least squares runs again without every column whose coefficient came out negative, until
         none does (an active-set step of Lawson and Hanson's NNLS, not always its optimum).
         A term no sample exercises (no drafting in the samples) stays 0 and is listed in
-        ``meta["unfitted"]``.
+        ``meta["unfitted"]``. ``wall_seconds``: when the samples' seconds are CPU time, the same
+        steps' wall time; ``contention`` is then the median of wall over CPU time, and
+        ``meta["wall_error"]`` the error of the predictions against wall time.
 
         Against ``bench roofline``: its verify cost is ``curve[k] - curve[0]`` over a plain step,
         two medians of 3-5 timings each on a loaded machine, so noise in either enters the
@@ -238,11 +253,17 @@ class CostModel:
         used = scale > 0
         coef = np.zeros(x.shape[1])
         coef[used] = _nnls(x[:, used] / scale[used], ones) / scale[used]
-        model = cls(**dict(zip(COEFFICIENTS, (float(c) for c in coef))))
-        model.meta = dict(meta, unfitted=[n for n, u in zip(COEFFICIENTS, used) if not u],
-                          num_samples=len(rows))
-        model.meta["fit_error"] = model.fit_report(samples)
-        return model
+        terms = cls(**dict(zip(COEFFICIENTS, (float(c) for c in coef))))
+        meta = dict(meta, unfitted=[n for n, u in zip(COEFFICIENTS, used) if not u],
+                    num_samples=len(rows), fit_error=terms.fit_report(samples))
+        contention = 1.0
+        if wall_seconds is not None:
+            ratios = [w / t for (_, t), w in zip(samples, wall_seconds) if t > 0]
+            contention = float(np.median(ratios)) if ratios else 1.0
+            with_contention = dataclasses.replace(terms, contention=contention)
+            meta["wall_error"] = with_contention.fit_report(
+                [(s, w) for (s, _), w in zip(samples, wall_seconds)])
+        return dataclasses.replace(terms, contention=contention, meta=meta, acceptance=acceptance)
 
     def fit_report(self, samples: Sequence[tuple[StepShape, float]]) -> dict[str, dict]:
         """Per shape class: steps, mean measured and predicted seconds, mean and p90 of
@@ -265,7 +286,8 @@ class CostModel:
 
     # ------------------------------------------------------------------ the stored file
     def to_json(self) -> dict:
-        return {"format": FORMAT, "coefficients": self.coefficients, "meta": self.meta,
+        return {"format": FORMAT, "coefficients": self.coefficients,
+                "contention": self.contention, "meta": self.meta,
                 "acceptance": None if self.acceptance is None
                 else dataclasses.asdict(self.acceptance)}
 
@@ -279,7 +301,8 @@ class CostModel:
         if unknown:
             raise ValueError(f"cost model: unknown coefficients {sorted(unknown)}.")
         acceptance = data.get("acceptance")
-        return cls(**{k: float(v) for k, v in coefficients.items()}, meta=data.get("meta", {}),
+        return cls(**{k: float(v) for k, v in coefficients.items()},
+                   contention=float(data.get("contention", 1.0)), meta=data.get("meta", {}),
                    acceptance=None if acceptance is None else Acceptance(**acceptance))
 
     def save(self, path: str) -> str:

@@ -24,7 +24,7 @@ def test_the_residual_check_fails_on_nan_and_states_the_convention(capsys):
     with pytest.raises(ExerciseCheckError, match="draft equals target") as e:
         exercises.check_residual_distribution(naive_residual)
     assert "NaN" in str(e.value) and "return p_target itself" in str(e.value)
-    assert exercises.check_residual_distribution(residual_with_convention)
+    assert exercises.check_residual_distribution(residual_with_convention) is None
 
 
 def test_the_residual_check_names_a_renamed_parameter():
@@ -136,7 +136,7 @@ def test_the_suffix_walk_check_names_the_case_and_hints_at_the_common_mistakes(c
     with pytest.raises(ExerciseCheckError, match=r"(?s)case 'a probability exactly min_token_prob"
                                                  r".*hint: stopped at a probability equal"):
         exercises.check_walk_suffix_tree(at_most)
-    assert exercises.check_walk_suffix_tree(_walk(lambda prob, ratio, m: (prob >= m, prob)))
+    assert exercises.check_walk_suffix_tree(_walk(lambda prob, ratio, m: (prob >= m, prob))) is None
     assert "8 hand-made cases and 200 cases" in capsys.readouterr().out
 
 

@@ -42,6 +42,7 @@ class Exercise:
 
 
 EXERCISES: dict[str, Exercise] = {}
+_CHECK_ENTRIES: set = set()   # the guarded checks' code: where the stack above a check begins
 
 
 def exercise(*, name: str, assignment: str, article_step: str, forbidden: tuple[str, ...] = (),
@@ -55,6 +56,7 @@ def exercise(*, name: str, assignment: str, article_step: str, forbidden: tuple[
             with no_forbidden_calls(name, fn, EXERCISES[name].forbidden):
                 check(fn, cases=cases)
 
+        _CHECK_ENTRIES.add(run.__code__)
         EXERCISES[name] = Exercise(name=name, assignment=assignment, article_step=article_step,
                                    check=check, forbidden=tuple(forbidden), mistakes=tuple(mistakes),
                                    optional=optional, run=run)
@@ -98,8 +100,10 @@ def no_forbidden_calls(name: str, fn: Any, forbidden: tuple[str, ...]) -> Iterat
     def guard(qualname: str, original: Callable) -> Callable:
         @functools.wraps(original)
         def guarded(*args: Any, **kwargs: Any) -> Any:
+            # Only the frames the check started count: its caller may share the student's
+            # file (a test module that defines a function and checks it).
             frame = sys._getframe(1)
-            while frame is not None:
+            while frame is not None and frame.f_code not in _CHECK_ENTRIES:
                 if frame.f_code.co_filename in files:
                     caught.append(qualname)
                     raise ExerciseCheckError(

@@ -21,9 +21,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-
-class ExerciseCheckError(AssertionError):
-    """The student's function is unfinished, raised, or returned a wrong answer for a named case."""
+from minivllm.learn.exercises.registry import ExerciseCheckError, exercise
 
 
 def _fmt(x: Any) -> str:
@@ -88,7 +86,11 @@ def _residual_reference_frequencies(p: torch.Tensor, q: torch.Tensor, draws: int
     return torch.bincount(tokens.long(), minlength=vocab).double() / draws
 
 
-def check_residual_distribution(fn: Callable) -> bool:
+@exercise(name="residual_distribution", assignment="spec_decode",
+          article_step="Speculative decoding: rejection sampling (the residual distribution)",
+          forbidden=('minivllm.sample.rejection_torch:sample_recovered_tokens_torch',),
+          mistakes=('no clamp at 0: negative entries', 'not normalised: entries do not sum to 1'))
+def check_residual_distribution(fn: Callable, cases: str = "all") -> bool:
     """``fn(p_target, p_draft)``: 1-D float tensors over the vocabulary (each sums to 1) -> the
     distribution a rejected position's recovered token is drawn from: max(p_target - p_draft, 0),
     normalised to sum to 1; when that is all zeros (p_draft == p_target: nothing is ever rejected),
@@ -103,6 +105,7 @@ def check_residual_distribution(fn: Callable) -> bool:
         ("draft equals target: the residual is all zeros, so return p_target", t(0.2, 0.5, 0.3),
          t(0.2, 0.5, 0.3), t(0.2, 0.5, 0.3)),
     ]
+    hand = hand if cases != "hidden" else []   # visible: the hand cases; hidden: vs the package
     for case, p, q, expected in hand:
         kw = {"p_target": p, "p_draft": q}
         got = _call(name, fn, case, kw)
@@ -112,7 +115,7 @@ def check_residual_distribution(fn: Callable) -> bool:
             _fail(name, case, kw, expected, got, "" if got_t is None or got_t.shape != expected.shape
                   else _residual_hint(p, q, got_t))
     gen = torch.Generator().manual_seed(1)
-    n_ref = 4
+    n_ref = 4 if cases != "visible" else 0
     for i in range(n_ref):
         p = torch.rand(6, generator=gen, dtype=torch.float64) ** 2
         q = torch.rand(6, generator=gen, dtype=torch.float64) ** 2
@@ -129,7 +132,11 @@ def check_residual_distribution(fn: Callable) -> bool:
 
 
 # --------------------------------------------------------------------------- 2. last-match n-gram
-def check_propose_last_match(fn: Callable) -> bool:
+@exercise(name="propose_last_match", assignment="spec_decode",
+          article_step="Speculative decoding: the n-gram drafter",
+          forbidden=('minivllm.spec_decode.ngram_proposer:NgramProposer.propose',),
+          mistakes=("the first match (vLLM's rule) instead of the last",))
+def check_propose_last_match(fn: Callable, cases: str = "all") -> bool:
     """``fn(context, min_n, max_n, k)`` -> up to k tokens that followed the most recent earlier
     occurrence of the context's longest matching suffix n-gram (n from max_n down to min_n); []
     when none matches."""
@@ -144,6 +151,7 @@ def check_propose_last_match(fn: Callable) -> bool:
         ("match overlapping the suffix", [1, 2, 1, 2, 1], 3, 3, 3, [2, 1]),
         ("context shorter than min_n", [7, 7], 3, 4, 2, []),
     ]
+    hand = hand if cases != "hidden" else []
     for case, ctx, lo, hi, k, expected in hand:
         kw = {"context": ctx, "min_n": lo, "max_n": hi, "k": k}
         got = _call(name, fn, case, kw)
@@ -154,7 +162,7 @@ def check_propose_last_match(fn: Callable) -> bool:
                 hint = "that is the FIRST match (vLLM's rule); the exercise asks for the last one."
             _fail(name, case, kw, expected, got, hint)
     rng = random.Random(0)
-    n_ref = 200
+    n_ref = 200 if cases != "visible" else 0
     for i in range(n_ref):
         ctx = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
         lo = rng.randrange(1, 4)
@@ -187,7 +195,11 @@ def _allocate_slots_reference(num_computed_tokens: int, num_new_tokens: int, num
     return len(new.get_block_ids()[0])
 
 
-def check_num_blocks_to_allocate(fn: Callable) -> bool:
+@exercise(name="num_blocks_to_allocate", assignment="spec_decode",
+          article_step="Speculative decoding: allocate_slots with lookahead slots",
+          forbidden=('minivllm.core.kv_cache_manager:KVCacheManager.allocate_slots',),
+          mistakes=('the lookahead slots forgotten', 'not capped at max_model_len'))
+def check_num_blocks_to_allocate(fn: Callable, cases: str = "all") -> bool:
     """``fn(num_computed_tokens, num_new_tokens, num_lookahead_tokens, num_held_blocks, block_size,
     max_model_len)`` -> how many new blocks ``allocate_slots`` must take from the free queue."""
     name = "num_blocks_to_allocate"
@@ -202,6 +214,7 @@ def check_num_blocks_to_allocate(fn: Callable) -> bool:
         ("drafts were rejected: the request already holds more than it needs", 20, 1, 0, 3, 16, 1024, 0),
         ("block size 4, a long prefill chunk", 8, 13, 0, 2, 4, 1024, 4),
     ]
+    hand = hand if cases != "hidden" else []
     for case, c, n, la, held, bs, mml, expected in hand:
         kw = {"num_computed_tokens": c, "num_new_tokens": n, "num_lookahead_tokens": la,
               "num_held_blocks": held, "block_size": bs, "max_model_len": mml}
@@ -219,7 +232,7 @@ def check_num_blocks_to_allocate(fn: Callable) -> bool:
                 hint = "the lookahead slots need blocks too."
             _fail(name, case, kw, expected, got, hint)
     rng = random.Random(0)
-    n_ref = 100
+    n_ref = 100 if cases != "visible" else 0
     for i in range(n_ref):
         bs = rng.choice([1, 2, 4, 8, 16])
         c = rng.randrange(0, 80)
@@ -254,7 +267,12 @@ def reference_spec_decode_logits_indices(num_scheduled_tokens: list[int], num_dr
             md.bonus_logits_indices.tolist())
 
 
-def check_spec_decode_logits_indices(fn: Callable) -> bool:
+@exercise(name="spec_decode_logits_indices", assignment="spec_decode",
+          article_step="Speculative decoding: the verify step's logits indices",
+          forbidden=('minivllm.worker.model_runner:ModelRunner._calc_spec_decode_metadata',),
+          mistakes=('target and bonus indices into the hidden-state rows, not the selected '
+                    'logits',))
+def check_spec_decode_logits_indices(fn: Callable, cases: str = "all") -> bool:
     """``fn(num_scheduled_tokens, num_draft_tokens)`` -> (logits_indices, target_logits_indices,
     bonus_logits_indices) as lists: which rows of the flattened hidden states get logits, and, within
     those selected rows, where each draft's target distribution and each request's bonus sit."""
@@ -265,6 +283,7 @@ def check_spec_decode_logits_indices(fn: Callable) -> bool:
         ("a prefill, a 3-draft and a 2-draft request", [5, 4, 3], [0, 3, 2],
          ([4, 5, 6, 7, 8, 9, 10, 11], [1, 2, 3, 5, 6], [0, 4, 7])),
     ]
+    hand = hand if cases != "hidden" else []
     for case, sched, drafts, expected in hand:
         kw = {"num_scheduled_tokens": sched, "num_draft_tokens": drafts}
         got = _call(name, fn, case, kw)
@@ -278,8 +297,8 @@ def check_spec_decode_logits_indices(fn: Callable) -> bool:
                         "len(logits_indices) - 1), not the hidden-state rows.")
             _fail(name, case, kw, expected, got, hint)
     rng = random.Random(0)
-    n_ref = 0
-    while n_ref < 50:
+    n_ref, n_want = 0, 50 if cases != "visible" else 0
+    while n_ref < n_want:
         drafts = [rng.choice([0, 1, 2, 3]) for _ in range(rng.randrange(1, 5))]
         if not any(drafts):
             continue   # the model runner builds no spec metadata for a batch without drafts

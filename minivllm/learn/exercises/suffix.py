@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from typing import Any, Callable
 
+from minivllm.learn.exercises.registry import exercise
 from minivllm.learn.exercises.spec import _call, _fail, _fmt, _passed
 from minivllm.spec_decode.suffix_tree import SuffixTree
 
@@ -77,13 +78,18 @@ def _hint(node: dict, max_tokens: int, min_token_prob: float, tokens: list[int],
     return ""
 
 
-def check_walk_suffix_tree(fn: Callable) -> bool:
+@exercise(name="walk_suffix_tree", assignment="spec_decode",
+          article_step="After the article: suffix decoding's draft (a greedy walk by frequency)",
+          forbidden=("minivllm.spec_decode.suffix_tree:SuffixTree.walk",),
+          mistakes=("the per-step ratio instead of the running product",
+                    "<= instead of < at min_token_prob"))
+def check_walk_suffix_tree(fn: Callable, cases: str = "all") -> bool:
     """``fn(node, max_tokens, min_token_prob) -> (tokens, probs)``."""
     name = "walk_suffix_tree"
-    hand = HAND_CASES
+    hand = HAND_CASES if cases != "hidden" else []
     for case, node, k, p, tokens, probs in hand:
         _check_one(name, fn, case, node, k, p, tokens, probs)
-    rng, n_ref = random.Random(0), 200
+    rng, n_ref = random.Random(0), 200 if cases != "visible" else 0
     for i in range(n_ref):
         tree = SuffixTree(max_depth=rng.randint(3, 8))
         tree.extend(0, [rng.randrange(rng.randint(2, 5)) for _ in range(rng.randint(1, 40))])

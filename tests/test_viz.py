@@ -246,12 +246,10 @@ def test_pd_views_match_connector_records_and_files(tmp_path, tiny_gqa_dir):
     assert "meta.json" in str(table)
 
 
-def _solutions():
-    path = os.path.join(REPO, "notebooks", "solutions", "04_exercises_solutions.py")
-    spec = importlib.util.spec_from_file_location("solutions04", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def _solutions() -> dict:
+    """The reference solutions, from the course's source notebook (assignment spec_decode)."""
+    from minivllm.learn.exercises import course
+    return course.solution_namespace("spec_decode")
 
 
 def _template(*args, **kwargs):
@@ -297,7 +295,7 @@ CHECKS = [
 
 @pytest.mark.parametrize("name,check,wrong,hint", CHECKS, ids=[c[0] for c in CHECKS])
 def test_exercise_checks(name, check, wrong, hint, capsys):
-    assert check(getattr(_solutions(), name)) is None
+    assert check(_solutions()[name]) is None
     assert "\u2713" in capsys.readouterr().out
     with pytest.raises(exercises.ExerciseCheckError, match="not written yet"):
         check(_template)

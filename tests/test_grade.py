@@ -15,7 +15,6 @@ pytest.importorskip("ipykernel")
 
 from minivllm.learn.exercises import course  # noqa: E402
 from minivllm.learn.exercises.__main__ import main  # noqa: E402
-from minivllm.learn.exercises.grade import check_notebook  # noqa: E402
 
 NB = os.path.join(course.NOTEBOOKS_DIR, "04_exercises.ipynb")
 SOLUTIONS = course.solutions("spec_decode")

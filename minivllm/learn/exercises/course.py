@@ -96,8 +96,8 @@ def release(course_dir: str = COURSE_DIR, out_dir: str = NOTEBOOKS_DIR) -> list[
     written = []
     with tempfile.TemporaryDirectory(prefix="minivllm-course-") as tmp:
         copy_course(course_dir, tmp)
+        nbgrader(["generate_assignment", "*", "--force"], tmp)     # every assignment
         for assignment, paths in source_notebooks(course_dir).items():
-            nbgrader(["generate_assignment", assignment, "--force"], tmp)
             for path in paths:
                 name = os.path.basename(path)
                 target = os.path.join(out_dir, name)

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from minivllm.learn.exercises.isolate import is_test_cell, test_ops
+from minivllm.learn.exercises.isolate import is_test_cell, checks_of
 
 
 @dataclass
@@ -54,7 +54,7 @@ def defined_twice(nb: Any) -> list[str]:
     for cell in nb.cells:
         if cell.cell_type == "code" and is_test_cell(cell):
             try:
-                checked += [op["arg"] for op in test_ops(cell.source) if "check" in op]
+                checked += [op["arg"] for op in checks_of(cell.source) if "check" in op]
             except SyntaxError:
                 continue
     cells_of: dict[str, list[int]] = {}

@@ -12,10 +12,11 @@ cell again, in a fresh Python process:
    ``ast``; only its top-level ``import``, ``def``, ``class`` and assignments of a literal to a
    plain name are kept. Everything else (calls, expressions, attribute or item assignments:
    where a patch lives) is dropped, and the cell's output in the autograded notebook says which
-   lines were ignored. The kept code is compiled as file ``<student>`` (the registry's
-   ``no_forbidden_calls`` recognises the student's frames by it) and run cell by cell up to each
-   test cell, as the notebook runs top to bottom: a later definition wins, so the notebook's own
-   ✓ and the grade agree.
+   lines were ignored. A cell that stopped with an error when the notebook ran keeps only the
+   statements before the one that raised (the rest never ran). The kept code is compiled as file
+   ``<student>`` (the registry's ``no_forbidden_calls`` recognises the student's frames by it) and
+   run cell by cell up to each test cell, as the notebook runs top to bottom: a later definition
+   wins, so the notebook's own ✓ and the grade agree.
 2. The checks: the test cell's source (the autograded notebook's, restored by nbgrader from its
    gradebook, hidden tests included) is parsed for ``exercises.check_<name>(<arg>, cases="...")``;
    each is looked up by its name in the registry (``registry.EXERCISES``), which the fresh process
@@ -70,8 +71,6 @@ except ImportError:                      # nbgrader is the [classroom] extra; th
     from nbconvert.preprocessors import Preprocessor as NbGraderPreprocessor
 from traitlets import Integer, List, Unicode
 
-STUDENT_FILE = "<student>"
-TEST_FILE = "<test>"
 RESULT_MAX_CHARS = 20_000       # a failure message longer than this is cut
 CHECK_MODULES = ("minivllm.learn.exercises",)
 
@@ -125,8 +124,21 @@ def _first_line(source: str, node: ast.stmt) -> str:
     return line if len(line) <= 70 and len(text) == 1 else line[:67] + "..."
 
 
-def student_statements(source: str) -> tuple[list[dict], list[str]]:
-    """(kept statements as {"line", "source"}, notes on what is ignored) for one student cell."""
+def raised_at(cell: NotebookNode) -> Optional[int]:
+    """The line where the cell stopped with an error when the notebook ran (0: somewhere), or
+    None. Read from the student's own run, this can only drop their definitions, never add any."""
+    import re
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "error":
+            text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(out.get("traceback", [])))
+            found = re.search(r"Cell In\[\d+\], line (\d+)", text)
+            return int(found.group(1)) if found else 0
+    return None
+
+
+def student_statements(source: str, stop: Optional[int] = None) -> tuple[list[dict], list[str]]:
+    """(kept statements as {"line", "source"}, notes on what is ignored) for one student cell;
+    ``stop``: the line where the cell raised when it ran (it and what follows never ran)."""
     source = _python_source(source)
     try:
         tree = ast.parse(source)
@@ -135,6 +147,10 @@ def student_statements(source: str) -> tuple[list[dict], list[str]]:
                     f"{e.msg})"]
     kept, notes = [], []
     for node in tree.body:
+        if stop is not None and node.end_lineno >= stop:
+            notes.append(f"ignored when graded: line {node.lineno} onwards (your notebook stopped "
+                         f"at line {stop or '?'} of this cell with an error, so it never ran)")
+            break
         if isinstance(node, ast.Pass) or (isinstance(node, ast.Expr)
                                           and isinstance(node.value, ast.Constant)):
             continue                                   # a docstring, `pass`, `...`: nothing
@@ -168,7 +184,7 @@ def _check_call(node: ast.stmt) -> Optional[tuple[str, str, str]]:
     return func.attr, ast.unparse(call.args[0]), cases
 
 
-def test_ops(source: str) -> list[dict]:
+def checks_of(source: str) -> list[dict]:
     """A test cell's statements: its check calls, and any other statement as code to run."""
     source = _python_source(source)
     ops = []
@@ -199,12 +215,12 @@ def build_job(nb: NotebookNode) -> tuple[list[dict], list[GradedCell], dict[int,
             continue
         if is_test_cell(cell):
             try:
-                ops = test_ops(cell.source)
+                ops = checks_of(cell.source)
             except SyntaxError as e:
                 ops = [{"exec": cell.source, "line": e.lineno or 1}]
             exercises.append(GradedCell(grade_id=_nbgrader(cell)["grade_id"], cell=index, ops=ops))
         else:
-            kept, ignored = student_statements(cell.source)
+            kept, ignored = student_statements(cell.source, raised_at(cell))
             cells.append({"index": index, "statements": kept})
             if ignored:
                 notes[index] = ignored
@@ -228,7 +244,7 @@ class _Child:
         self.stderr = tempfile.TemporaryFile()
         code = ("import os, sys\n"
                 "sys.path[:] = [p for p in sys.path if p not in ('', '.', os.getcwd())]\n"
-                "from minivllm.learn.exercises.isolate import child_main\n"
+                "from minivllm.learn.exercises.fresh import child_main\n"
                 "child_main()\n")
         env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(p for p in [_package_root(),
@@ -386,178 +402,3 @@ def _output(result: Result, kernel_failed: bool) -> NotebookNode:
                          "definitions alone, in a fresh process, it failed as above.)")
     return NotebookNode(output_type="error", ename=result.ename, evalue=message,
                         traceback=traceback)
-
-
-# ------------------------------------------------------------------ the child: the fresh process
-class _Capped:
-    """A text stream that keeps its first ``limit`` characters (a student's print loop is cut)."""
-
-    def __init__(self, limit: int = 100_000) -> None:
-        self.parts: list[str] = []
-        self.size, self.limit = 0, limit
-
-    def write(self, text: str) -> int:
-        if self.size < self.limit:
-            self.parts.append(text[:self.limit - self.size])
-            self.size += len(self.parts[-1])
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-    def isatty(self) -> bool:
-        return False
-
-    def getvalue(self) -> str:
-        return "".join(self.parts)
-
-
-def _protected_modules(name: str) -> bool:
-    return (name == "minivllm" or name.startswith("minivllm.")
-            or name in ("torch", "numpy", "builtins", "math"))
-
-
-def _take_snapshot(modules: dict, tables_prefix: str = "minivllm.learn.exercises") -> dict:
-    """{dotted name: what it held} for everything the integrity check protects."""
-    snap: dict[str, Any] = {}
-    for modname, module in list(modules.items()):
-        if module is None or not _protected_modules(modname) or modname == "__main__":
-            continue
-        for attr, value in list(vars(module).items()):
-            key = f"{modname}.{attr}"
-            if isinstance(value, type) or callable(value):
-                snap[key] = value
-                if isinstance(value, type) and getattr(value, "__module__", "") == modname \
-                        and modname.startswith("minivllm"):
-                    for member, v in list(vars(value).items()):
-                        if callable(v) or isinstance(v, (staticmethod, classmethod, property)):
-                            snap[f"{key}.{member}"] = v
-            elif modname.startswith(tables_prefix) and isinstance(value, (dict, list, set)):
-                items = value.items() if isinstance(value, dict) else value
-                snap[key + "[...]"] = ("table", tuple(items))
-    torch = modules.get("torch")
-    if torch is not None:
-        for member, v in list(vars(torch.Tensor).items()):
-            if callable(v) or isinstance(v, (staticmethod, classmethod, property)):
-                snap[f"torch.Tensor.{member}"] = v
-    return snap
-
-
-def _changes(before: dict, after: dict) -> list[str]:
-    changed = []
-    for key, value in before.items():
-        if key not in after:
-            changed.append(key)
-            continue
-        new = after[key]
-        if isinstance(value, tuple) and value[:1] == ("table",):
-            old_items, new_items = value[1], new[1] if isinstance(new, tuple) else None
-            if new_items is None or len(old_items) != len(new_items) or any(
-                    a is not b and not (isinstance(a, tuple) and isinstance(b, tuple)
-                                        and len(a) == len(b)
-                                        and all(x is y for x, y in zip(a, b)))
-                    for a, b in zip(old_items, new_items)):
-                changed.append(key)
-        elif new is not value:
-            changed.append(key)
-    return changed
-
-
-def _import_checks(names: list[str]) -> None:
-    import importlib
-    import pkgutil
-    for name in names:
-        module = importlib.import_module(name)
-        for info in pkgutil.walk_packages(getattr(module, "__path__", []), name + "."):
-            if not info.name.endswith(".__main__"):
-                importlib.import_module(info.name)
-
-
-def _run_statements(statements: list[dict], ns: dict) -> list[str]:
-    """Run the student's kept statements; returns what raised (the cell raised there too)."""
-    errors = []
-    for st in statements:
-        try:
-            module = ast.parse(st["source"])
-            ast.increment_lineno(module, st["line"] - 1)
-            exec(compile(module, STUDENT_FILE, "exec"), ns)
-        except BaseException as e:      # noqa: BLE001 (a student's SystemExit too)
-            errors.append(f"line {st['line']}: {type(e).__name__}: {e}")
-    return errors
-
-
-def child_main() -> None:
-    """The fresh process: read the job, import the checks, snapshot, then grade each exercise."""
-    job = json.loads(sys.stdin.read())
-    sys.stdin.close()
-    nonce = job["nonce"]
-    out_fd = os.dup(1)                          # results go here, prefixed with the nonce
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)                         # a student's os.write(1, ...) goes nowhere
-    os.dup2(devnull, 2)
-
-    def emit(payload: dict) -> None:
-        os.write(out_fd, (nonce + " " + json.dumps(payload) + "\n").encode())
-
-    import warnings
-    warnings.simplefilter("ignore")
-    _import_checks(job["check_modules"])
-    from minivllm.learn.exercises import registry
-    checks = {ex.run.__name__: ex for ex in registry.EXERCISES.values()}
-    for ex in checks.values():                  # the implementations a solution may not call
-        for qualname in ex.forbidden:
-            registry._resolve(qualname)
-    guard, check_error = registry.no_forbidden_calls, registry.ExerciseCheckError
-    modules = sys.modules
-    take, diff = _take_snapshot, _changes
-    before = take(modules)
-    sys.path.append(os.getcwd())                # the student's own helper modules, last
-    emit({"ready": True})
-
-    ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
-    cells = list(job["cells"])
-    define_errors: list[str] = []
-    for exercise in job["exercises"]:
-        captured = _Capped()
-        sys.stdout, sys.stderr = captured, _Capped(1000)
-        while cells and cells[0]["index"] < exercise["cell"]:
-            define_errors += _run_statements(cells.pop(0)["statements"], ns)
-        result = {"grade_id": exercise["grade_id"], "passed": True}
-        for op in exercise["ops"]:
-            try:
-                if "exec" in op:
-                    source = "\n" * (op["line"] - 1) + op["exec"]
-                    exec(compile(source, TEST_FILE, "exec"), ns)
-                    continue
-                ex = checks.get(op["check"])
-                if ex is None:
-                    raise LookupError(f"no registered check named {op['check']} (known: "
-                                      f"{', '.join(sorted(checks))})")
-                try:
-                    fn = eval(compile(op["arg"], TEST_FILE, "eval"), ns)
-                except NameError:
-                    raise check_error(
-                        f"{op['arg']} is not defined: no cell defines it (a cell that defines it "
-                        "must run before this one)") from None
-                with guard(ex.name, fn, ex.forbidden):
-                    ex.check(fn, cases=op["cases"])
-            except BaseException as e:  # noqa: BLE001 (a student's SystemExit, KeyboardInterrupt)
-                message = str(e) or type(e).__name__
-                if define_errors and not isinstance(e, check_error):
-                    message += ("\n  while defining your cells: " + "; ".join(define_errors[-3:]))
-                result = {"grade_id": exercise["grade_id"], "passed": False,
-                          "ename": type(e).__name__, "message": message}
-                break
-        changed = diff(before, take(modules))
-        if changed:
-            shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more"
-                                              if len(changed) > 3 else "")
-            result = {"grade_id": exercise["grade_id"], "passed": False,
-                      "ename": "ExerciseCheckError",
-                      "message": f"your code changed {shown}: a solution may not change the "
-                                 "checks, so this exercise scores 0."}
-        if result["passed"]:
-            result["stdout"] = "".join(line for line in captured.getvalue().splitlines(True)
-                                       if line.startswith("\u2713"))
-        emit(result)
-    os._exit(0)                                 # no atexit hook of the student's runs

@@ -36,8 +36,9 @@ c.CourseDirectory.course_id = "minivllm"
 # generate_assignment): spec_decode (speculative decoding, notebook 04), pd (disaggregated
 # prefill/decode, notebook 07), pd_at_scale (P/D at scale, notebook 09).
 
-# The stub generate_assignment writes in place of a solution (as the student notebooks had).
-c.ClearSolutions.code_stub = {"python": "raise NotImplementedError"}
+# The stub generate_assignment writes in place of a solution (nbgrader's own): it raises
+# NotImplementedError, which every check reports as "not written yet".
+c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
 
 # Seconds per cell in the student's kernel (autograde and validate); then the cell is interrupted.
 c.Execute.timeout = 60

@@ -62,7 +62,8 @@ def _take_snapshot(modules: dict, tables_prefix: str = "minivllm.learn.exercises
                     for member, v in list(vars(value).items()):
                         if callable(v) or isinstance(v, (staticmethod, classmethod, property)):
                             snap[f"{key}.{member}"] = v
-            elif modname.startswith(tables_prefix) and isinstance(value, (dict, list, set)):
+            elif (modname.startswith(tables_prefix) and not attr.startswith("_")
+                  and isinstance(value, (dict, list, set))):     # a private one: a cache
                 items = value.items() if isinstance(value, dict) else value
                 snap[key + "[...]"] = ("table", tuple(items))
     torch = modules.get("torch")
@@ -73,6 +74,26 @@ def _take_snapshot(modules: dict, tables_prefix: str = "minivllm.learn.exercises
     return snap
 
 
+def _library_wrapper(new: Any, old: Any) -> bool:
+    """A wrapper a library put around its own function when a module of it loaded (importing
+    ``torch._dynamo`` wraps ``torch.manual_seed``): it wraps the original, and its code lives in
+    that library's files."""
+    inner = new
+    for _ in range(8):
+        inner = getattr(inner, "__wrapped__", None)
+        if inner is None:
+            return False
+        if inner is old:
+            break
+    else:
+        return False
+    top = (getattr(new, "__module__", None) or "").split(".")[0]
+    package = sys.modules.get(top) if top in ("torch", "numpy") else None
+    root = os.path.dirname(os.path.abspath(package.__file__)) if package else ""
+    code = getattr(new, "__code__", None)
+    return bool(root and code and os.path.abspath(code.co_filename).startswith(root + os.sep))
+
+
 def _changes(before: dict, after: dict) -> list[str]:
     changed = []
     for key, value in before.items():
@@ -80,6 +101,8 @@ def _changes(before: dict, after: dict) -> list[str]:
             changed.append(key)
             continue
         new = after[key]
+        if new is not value and _library_wrapper(new, value):
+            continue
         if isinstance(value, tuple) and value[:1] == ("table",):
             old_items, new_items = value[1], new[1] if isinstance(new, tuple) else None
             if new_items is None or len(old_items) != len(new_items) or any(

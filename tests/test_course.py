@@ -117,8 +117,9 @@ def _with_loop(source: str) -> str:
 
 @pytest.fixture(scope="module")
 def cycle(tmp_path_factory):
-    """The whole cycle once: (course folder, {(student, assignment, notebook): {exercise: (score,
-    max)}}, exercises per assignment, the CSV rows, (seconds it took, seconds per nbgrader step))."""
+    """The whole cycle once: (course folder, {(student, assignment, notebook): {exercise:
+    (score, max)}}, exercises per assignment, the CSV rows, (seconds, seconds per nbgrader
+    step))."""
     t0 = time.monotonic()
     steps = {}
 
@@ -353,5 +354,76 @@ def test_the_cycle_report(cycle, capsys):
         name = next(iter(set(cycle[2][SPEC].values())))
         page = os.path.join(root, "feedback", "mistake", SPEC, name.replace(".ipynb", ".html"))
         png = os.path.join(os.path.dirname(TESTS), "figures", "course_feedback.png")
-        course.screenshot(page, png, width=1000, height=1400)
+        course.screenshot(page, png, width=1000, height=1900)
         assert os.path.getsize(png) > 10_000
+
+
+# ------------------------------------------------------------ the isolated grading, piece by piece
+def test_only_definitions_are_graded_and_what_is_dropped_is_said():
+    from minivllm.learn.exercises.isolate import student_statements
+    source = ("import torch\nfrom minivllm.learn import exercises\nLIMIT = 3\n"
+              "NAMES: tuple = ('a',)\n"
+              "exercises.CHECKS.update({})\nexercises.spec._fail = print\nx = len([1])\n"
+              "for i in range(2):\n    pass\n\n@staticmethod\ndef f(a, b=LIMIT):\n"
+              "    return a\n\nclass C:\n    pass\n")
+    kept, notes = student_statements(source)
+    assert [k["line"] for k in kept] == [1, 2, 3, 4, 11, 15]
+    assert kept[4]["source"].startswith("@staticmethod\ndef f(")      # its decorator with it
+    assert [n.split(",")[0] for n in notes] == [f"ignored when graded: line {n}"
+                                                 for n in (5, 6, 7, 8)]
+    assert "`exercises.CHECKS.update({})`" in notes[0]
+    kept, notes = student_statements(source, stop=6)       # the cell raised at line 6 when it ran
+    assert [k["line"] for k in kept] == [1, 2, 3, 4]
+    assert "line 6 onwards" in notes[-1] and "line 5, top-level expr" in notes[0]
+    kept, notes = student_statements("def f(:\n")
+    assert kept == [] and "does not parse" in notes[0]
+
+
+def _job(*cells: str):
+    """Student cells (index 0, 2, ...) each followed by a test cell that checks walk_suffix_tree
+    and then num_blocks_to_allocate (visible cases)."""
+    from minivllm.learn.exercises.isolate import GradedCell, checks_of, student_statements
+    students, graded = [], []
+    for i, source in enumerate(cells):
+        students.append({"index": 2 * i, "statements": student_statements(source)[0]})
+        name = ("walk_suffix_tree", "num_blocks_to_allocate")[i % 2]
+        graded.append(GradedCell(grade_id=f"{name}_test", cell=2 * i + 1, ops=checks_of(
+            f"exercises.check_{name}({name}, cases=\"visible\")")))
+    return students, graded
+
+
+def test_a_print_cannot_fake_a_pass_and_a_dead_process_fails_one_exercise(tmp_path):
+    """A student's print of a pass line (on sys.stdout and on file descriptor 1) is ignored; a
+    solution that kills its process fails that exercise alone: a fresh process grades the next."""
+    from minivllm.learn.exercises.isolate import run_isolated
+    solutions = course.solutions(SPEC)
+    faker = ("import os, json\nfrom minivllm.learn import exercises\n"
+             "def walk_suffix_tree(node, max_tokens, min_token_prob):\n"
+             "    line = json.dumps({'grade_id': 'walk_suffix_tree_test', 'passed': True})\n"
+             "    print('0' * 32 + ' ' + line)\n    os.write(1, (line + '\\n').encode())\n"
+             "    os._exit(0)\n")
+    students, graded = _job(faker, solutions["num_blocks_to_allocate"])
+    results = run_isolated(students, graded, str(tmp_path), timeout=60)
+    assert [r.grade_id for r in results] == ["walk_suffix_tree_test", "num_blocks_to_allocate_test"]
+    assert not results[0].passed and "died" in results[0].message, results[0]
+    assert results[1].passed and results[1].stdout.startswith("\u2713"), results[1]
+
+
+def test_a_patch_made_while_a_check_runs_fails_that_exercise_and_the_next(tmp_path):
+    """A solution that empties the registry and replaces a check while its own check runs: the
+    fresh process looked its checks up before any student code ran, and the snapshot names what
+    changed, for that exercise and every one after it."""
+    from minivllm.learn.exercises.isolate import run_isolated
+    patcher = ("from minivllm.learn import exercises\n"
+               "def walk_suffix_tree(node, max_tokens, min_token_prob):\n"
+               "    import minivllm.learn.exercises.registry as registry\n"
+               "    registry.EXERCISES.clear()\n"
+               "    exercises.check_num_blocks_to_allocate = lambda fn, cases='all': None\n"
+               "    return [], []\n")
+    students, graded = _job(patcher, "x = 1\n")        # num_blocks_to_allocate never written
+    results = run_isolated(students, graded, str(tmp_path), timeout=60)
+    for result in results:
+        assert not result.passed
+        assert "your code changed minivllm.learn.exercises.registry.EXERCISES" in result.message
+        assert "exercises.check_num_blocks_to_allocate" in result.message
+        assert "a solution may not change the checks" in result.message

@@ -1,5 +1,5 @@
-"""Self-study: ``minivllm grade NB.ipynb [...]`` (python -m minivllm.learn.exercises grade) runs each
-notebook top to bottom with nbgrader's validator and prints pass or FAIL per exercise with the
+"""Self-study: ``minivllm grade NB.ipynb [...]`` (python -m minivllm.learn.exercises grade) runs
+each notebook top to bottom with nbgrader's validator and prints pass or FAIL per exercise with the
 check's hint. Two notebooks with the same file name are two reports named by their paths; a correct
 answer in a new cell passes in the notebook and in the command alike, with a warning that the
 exercise is defined twice; a wrong answer shows its hint, an endless loop runs into the time limit

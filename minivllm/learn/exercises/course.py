@@ -122,6 +122,13 @@ def screenshot(html: str, png: str, width: int = 1100, height: int = 1500,
                         f"--user-data-dir={profile}", f"--window-size={width},{height}",
                         "--virtual-time-budget=5000", f"--screenshot={os.path.abspath(png)}",
                         url], check=True, capture_output=True, timeout=120)
+    try:                                      # a page of text: 64 colours are plenty, and small
+        from PIL import Image
+    except ImportError:
+        return png
+    with Image.open(png) as image:
+        small = image.convert("RGB").quantize(colors=64)
+    small.save(png, optimize=True)
     return png
 
 

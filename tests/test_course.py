@@ -427,3 +427,12 @@ def test_a_patch_made_while_a_check_runs_fails_that_exercise_and_the_next(tmp_pa
         assert "your code changed minivllm.learn.exercises.registry.EXERCISES" in result.message
         assert "exercises.check_num_blocks_to_allocate" in result.message
         assert "a solution may not change the checks" in result.message
+
+
+def test_the_teachers_readme_names_every_exercise():
+    readme = open(os.path.join(course.COURSE_DIR, "README.md")).read()
+    for assignment, paths in course.source_notebooks().items():
+        assert f"`{assignment}`" in readme, assignment
+        for path in paths:
+            for name in _exercises(nbformat.read(path, as_version=4)):
+                assert f"`{name}`" in readme, name

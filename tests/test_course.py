@@ -1,7 +1,7 @@
 """The course end to end, with nbgrader's own command line, on a temporary copy of notebooks/course.
 
 ``nbgrader generate_assignment`` writes the student notebooks, which must be the committed ones
-(notebooks/<nb>.ipynb). Then five students submit:
+(notebooks/<nb>.ipynb). Then six students submit:
 - ``ref``: the reference solutions (the source notebooks' solution cells), every assignment;
 - ``mistake``: one common mistake per exercise (tests/course_answers_*.py), every assignment; this
   student also edits one locked test cell to ``pass`` and deletes another;
@@ -9,7 +9,8 @@
 - ``raises``: a cell that raises in one exercise of spec_decode;
 - ``cheat``: the stubs left, a cell that patches the checks (their registry, the check functions in
   sys.modules, the comparison helpers, the forbidden-call guard), one solution that calls the
-  package's own implementation and one that patches a helper while its check runs.
+  package's own implementation and one that patches a helper while its check runs;
+- ``dead``: the reference solutions after a cell that kills the kernel (``os._exit``).
 ``nbgrader autograde`` (the course's configuration: a time limit per cell, deleted test cells
 added back, the checks run again in a fresh process), ``export`` (the CSV) and
 ``generate_feedback``. Points per exercise come from nbgrader's gradebook API (``export`` writes
@@ -71,6 +72,8 @@ registry.no_forbidden_calls = lambda *args, **kwargs: nullcontext()
 registry.EXERCISES.clear()
 """
 LOOP = "    while True:\n        pass\n"
+DEAD_KERNEL = "import os\nos._exit(1)\n"
+STUDENTS = ("ref", "mistake", "loop", "raises", "cheat", "dead")
 RAISE = "raise RuntimeError(\"half-finished cell\")\n"
 
 
@@ -123,10 +126,11 @@ def cycle(tmp_path_factory):
     t0 = time.monotonic()
     steps = {}
 
-    def nbgrader(args):
+    def nbgrader(args, check=True):
         start = time.monotonic()
-        course.nbgrader(args, root)
+        done = course.nbgrader(args, root, check=check)
         steps[" ".join(args[:2] + args[3:4])] = time.monotonic() - start
+        return done
     root = course.copy_course(course.COURSE_DIR, str(tmp_path_factory.mktemp("course")))
     nbgrader(["generate_assignment", "*", "--force"])
     released = {a: {os.path.basename(p): nbformat.read(
@@ -157,8 +161,14 @@ def cycle(tmp_path_factory):
             if assignment == SPEC:
                 raises = {**solutions, RAISES_EXERCISE: RAISE + solutions[RAISES_EXERCISE]}
                 _submit(root, "raises", assignment, name, course.fill(copy.deepcopy(nb), raises))
-    # Every student but the loop in one call, with the course's own time limits.
-    nbgrader(["autograde", "*", "--create", "--force"])
+                dead = course.fill(copy.deepcopy(nb), solutions)
+                dead.cells.insert(1 + next(i for i, c in enumerate(dead.cells)
+                                           if course.grade_id(c) == "imports"),
+                                  nbformat.v4.new_code_cell(DEAD_KERNEL))
+                _submit(root, "dead", assignment, name, dead)
+    # Every student but the loop in one call, with the course's own time limits. The dead kernel
+    # makes nbgrader drop that submission and exit with status 1 once the others are graded.
+    autograde = nbgrader(["autograde", "*", "--create", "--force"], check=False)
     # The loop with 10 s limits (each limit is paid twice: in the kernel and in the fresh process).
     spec_nb = next(iter(released[SPEC]))
     solutions = course.solutions(SPEC)
@@ -176,11 +186,11 @@ def cycle(tmp_path_factory):
         for assignment, notebooks in released.items():
             for name, nb in notebooks.items():
                 by_grade_id = {g: k for k, g in _exercises(nb).items()}
-                for student in ("ref", "mistake", "loop", "raises", "cheat"):
+                for student in STUDENTS:
                     try:
                         sub = gb.find_submission_notebook(name[:-len(".ipynb")], assignment,
                                                           student)
-                    except MissingEntry:     # loop and raises submit spec_decode only
+                    except MissingEntry:     # loop, raises and dead submit spec_decode only
                         continue
                     points[student, assignment, name] = {
                         by_grade_id[g.name]: (g.score, g.max_score) for g in sub.grades}
@@ -188,7 +198,12 @@ def cycle(tmp_path_factory):
         rows = list(csv.DictReader(f))
     exercises = {a: {k: nb_name for nb_name, nb in nbs.items() for k in _exercises(nb)}
                  for a, nbs in released.items()}
-    return root, points, exercises, rows, (time.monotonic() - t0, steps)
+    manual = {}
+    with Gradebook("sqlite:///" + os.path.join(root, "gradebook.db"), "minivllm") as gb:
+        for name in released[SPEC]:
+            sub = gb.find_submission_notebook(name[:-len(".ipynb")], SPEC, "dead")
+            manual[name] = [g.needs_manual_grade for g in sub.grades]
+    return root, points, exercises, rows, (time.monotonic() - t0, steps), (autograde, manual)
 
 
 def _feedback(root, student, assignment, name) -> str:
@@ -248,7 +263,7 @@ def test_every_test_cell_calls_a_registered_check_and_every_exercise_has_a_mista
 
 
 def test_the_reference_scores_full_marks(cycle):
-    _, points, exercises, _, _ = cycle
+    _, points, exercises, _, _, _ = cycle
     for (student, assignment, name), grades in points.items():
         if student == "ref":
             assert set(grades) == set(exercises[assignment]), (assignment, grades)
@@ -256,7 +271,7 @@ def test_the_reference_scores_full_marks(cycle):
 
 
 def test_each_mistake_costs_exactly_its_exercise_and_the_feedback_shows_its_hint(cycle):
-    root, points, _, _, _ = cycle
+    root, points, _, _, _, _ = cycle
     answers = _answers()
     for (student, assignment, name), grades in points.items():
         if student != "mistake":
@@ -273,7 +288,7 @@ def test_each_mistake_costs_exactly_its_exercise_and_the_feedback_shows_its_hint
 def test_an_edited_or_deleted_test_cell_gains_nothing(cycle):
     """The mistake student's edited (``pass``) and deleted test cells were restored and graded: the
     mistakes under them still score 0, as in every other cell."""
-    root, points, exercises, _, _ = cycle
+    root, points, exercises, _, _, _ = cycle
     name = next(iter(set(exercises[SPEC].values())))
     nb = _autograded(root, "mistake", SPEC, name)
     answers = _answers()
@@ -286,7 +301,7 @@ def test_an_edited_or_deleted_test_cell_gains_nothing(cycle):
 
 
 def test_the_loop_times_out_and_the_rest_is_graded(cycle):
-    root, points, exercises, _, _ = cycle
+    root, points, exercises, _, _, _ = cycle
     name = exercises[SPEC][LOOP_EXERCISE]
     grades = points["loop", SPEC, name]
     assert grades[LOOP_EXERCISE][0] == 0
@@ -296,7 +311,7 @@ def test_the_loop_times_out_and_the_rest_is_graded(cycle):
 
 
 def test_a_cell_that_raises_costs_its_exercise_alone(cycle):
-    root, points, exercises, _, _ = cycle
+    root, points, exercises, _, _, _ = cycle
     name = exercises[SPEC][RAISES_EXERCISE]
     grades = points["raises", SPEC, name]
     assert grades[RAISES_EXERCISE][0] == 0
@@ -306,7 +321,7 @@ def test_a_cell_that_raises_costs_its_exercise_alone(cycle):
 def test_the_cheat_scores_zero(cycle):
     """Patching the checks in the kernel changes nothing; calling the package's own implementation,
     or patching a helper while a check runs, scores 0 with a message saying why."""
-    root, points, exercises, _, _ = cycle
+    root, points, exercises, _, _, _ = cycle
     cheat = {key: grades for key, grades in points.items() if key[0] == "cheat"}
     assert {a for _, a, _ in cheat} == set(exercises)
     for key, grades in cheat.items():
@@ -320,8 +335,26 @@ def test_the_cheat_scores_zero(cycle):
     assert "ignored when graded: line 4, top-level expr `exercises.CHECKS.update(" in said, said
 
 
+def test_a_dead_kernel_drops_the_submission(cycle):
+    """os._exit in a cell: nbgrader logs the error, deletes that student's autograded folder,
+    grades everyone else and exits with status 1; the gradebook keeps every test cell at 0,
+    flagged for manual grading, and there is no feedback page (what nbgrader_config.py says)."""
+    root, points, exercises, _, _, (autograde, manual) = cycle
+    assert autograde.returncode == 1
+    log = autograde.stdout + autograde.stderr
+    assert "DeadKernelError" in log
+    failed = re.findall(r"There was an error processing assignment '(\w+)' for student '(\w+)'",
+                        log)
+    assert set(failed) == {(SPEC, "dead")}, failed
+    name = next(iter(set(exercises[SPEC].values())))
+    assert not os.path.exists(os.path.join(root, "autograded", "dead", SPEC))
+    assert not os.path.exists(os.path.join(root, "feedback", "dead", SPEC))
+    assert all(score == 0 for score, _ in points["dead", SPEC, name].values())
+    assert all(manual[name]), manual
+
+
 def test_the_gradebook_csv_has_a_total_per_student_and_assignment(cycle):
-    _, points, _, rows, _ = cycle
+    _, points, _, rows, _, _ = cycle
     totals = {}
     for (student, assignment, _), grades in points.items():
         totals[student, assignment] = totals.get((student, assignment), 0) + sum(
@@ -334,7 +367,7 @@ def test_the_gradebook_csv_has_a_total_per_student_and_assignment(cycle):
 def test_the_feedback_page_leaves_out_the_hidden_tests(cycle):
     """nbgrader renders the autograded notebook, hidden tests included; the course's configuration
     removes their source (ClearHiddenTests), and their results (the failed case, its hint) stay."""
-    root, _, exercises, _, _ = cycle
+    root, _, exercises, _, _, _ = cycle
     name = next(iter(set(exercises[SPEC].values())))
     page = _text(_feedback(root, "mistake", SPEC, name))
     assert "HIDDEN TESTS" not in page and 'cases="hidden"' not in page
@@ -343,7 +376,7 @@ def test_the_feedback_page_leaves_out_the_hidden_tests(cycle):
 
 def test_the_cycle_report(cycle, capsys):
     """The gradebook, points per exercise per student, and the time the whole cycle took."""
-    root, points, _, _, (seconds, steps) = cycle
+    root, points, _, _, (seconds, steps), _ = cycle
     with capsys.disabled():
         print(f"\ncourse cycle: {seconds:.0f} s (" + ", ".join(
             f"{step} {t:.0f} s" for step, t in steps.items()) + ")")

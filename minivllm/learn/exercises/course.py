@@ -1,4 +1,5 @@
-"""The course folder (``notebooks/course/``, nbgrader's layout) as the package sees it.
+"""The course folder (``notebooks/course/``, nbgrader's layout) as the package sees it: a learning
+aid (vLLM has no counterpart) around the exercises of every article step.
 
 - ``source_notebooks()``: the instructor's source notebooks, one folder per assignment;
 - ``solutions(assignment)``: each exercise's reference solution, taken from its source notebook's
@@ -49,8 +50,12 @@ def solutions(assignment: Optional[str] = None, course_dir: str = COURSE_DIR) ->
     """{exercise name (the solution cell's grade_id): the reference solution's source}, of one
     assignment or of all."""
     import nbformat
+    sources = source_notebooks(course_dir)
+    if assignment is not None and assignment not in sources:
+        raise FileNotFoundError(f"no source notebook for assignment {assignment!r} in "
+                                f"{os.path.join(course_dir, 'source')}")
     found = {}
-    for name, paths in source_notebooks(course_dir).items():
+    for name, paths in sources.items():
         if assignment is not None and name != assignment:
             continue
         for path in paths:

@@ -1,4 +1,5 @@
 """The fresh process of the isolated grading (isolate.py starts it; nothing else imports this).
+A learning aid of the course; vLLM has no counterpart.
 
 It reads its job and a nonce on stdin, imports the checks, takes the integrity snapshot, runs the
 student's kept definitions cell by cell (file ``<student>``) and each exercise's checks, compares

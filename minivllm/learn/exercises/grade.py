@@ -1,4 +1,5 @@
-"""Self-study: ``minivllm grade NB.ipynb [...]`` (``python -m minivllm.learn.exercises grade``).
+"""Self-study: ``minivllm grade NB.ipynb [...]`` (``python -m minivllm.learn.exercises grade``), a
+learning aid (vLLM has no counterpart).
 
 A student without a course checks their own notebooks with one command. For each notebook, named by
 the path given:

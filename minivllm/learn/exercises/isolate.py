@@ -1,4 +1,5 @@
 """Isolated grading: every autograded test cell's checks run again outside the student's kernel.
+A learning aid of the course (vLLM has no counterpart); it serves every exercise's article step.
 
 nbgrader runs a submission top to bottom in the student's own kernel, hidden tests included, so a
 cell of the student's can change what the test cells call: ``exercises.CHECKS.update(...)``, a

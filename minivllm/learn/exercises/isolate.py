@@ -27,7 +27,7 @@ cell again, in a fresh Python process:
    ``sys.path`` before the checks are imported) reads its job and a random nonce on stdin, imports
    every check module, records an integrity snapshot (every function, class and method of the
    loaded ``minivllm`` modules, of ``torch``, ``torch.Tensor``, ``numpy``, ``builtins`` and
-   ``math``; the registry and the checks' module-level tables, shallowly), then runs the student's
+   ``math``; the registry's tables ``EXERCISES`` and ``CHECKS``, shallowly), then runs the student's
    definitions and each exercise's checks, and after each exercise compares the snapshot: a changed
    or deleted entry fails it ("your code changed minivllm.learn.exercises.spec._fail: a solution
    may not change the checks"). It writes one line per exercise, prefixed with the nonce, on a
@@ -42,9 +42,9 @@ What it defends against: the attacks above, from any student cell, hidden or not
 student's functions while a check runs them; a wrong answer the student's kernel computed
 elsewhere; a student print that imitates a result. What it does not: Python gives the code it runs
 the whole process, so a determined student can still introspect it (walk the frames to the nonce
-and the result descriptor, patch something the snapshot does not cover: a nested table of a check,
-a module loaded after the snapshot, C-level state; start a thread that undoes a patch before the
-comparison). A class body, a decorator and a default value run when they are defined, so they run
+and the result descriptor, patch something the snapshot does not cover: a check's data (its
+table of cases), a module loaded after the snapshot, C-level state; start a thread that undoes a
+patch before the comparison). A class body, a decorator and a default value run when they are defined, so they run
 here too; what they change is caught by the snapshot. The process is not a sandbox: it can read
 and write what the grader can.
 """
@@ -60,9 +60,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from nbformat import NotebookNode
 
@@ -73,6 +72,7 @@ except ImportError:                      # nbgrader is the [classroom] extra; th
 from traitlets import Integer, List, Unicode
 
 RESULT_MAX_CHARS = 20_000       # a failure message longer than this is cut
+LINE_MAX_BYTES = 1 << 20        # a longer line from the fresh process is not a result
 CHECK_MODULES = ("minivllm.learn.exercises",)
 
 
@@ -239,10 +239,12 @@ class Result:
 
 
 class _Child:
-    """One fresh grading process; ``lines`` gets its stdout, line by line (None at EOF)."""
+    """One fresh grading process; ``lines`` gets the payloads of its result lines (those that
+    carry the nonce), then None at EOF. Any other output is the student's and is dropped."""
 
     def __init__(self, job: dict, cwd: str) -> None:
         self.stderr = tempfile.TemporaryFile()
+        self.nonce = job["nonce"]
         code = ("import os, sys\n"
                 "sys.path[:] = [p for p in sys.path if p not in ('', '.', os.getcwd())]\n"
                 "from minivllm.learn.exercises.fresh import child_main\n"
@@ -253,35 +255,40 @@ class _Child:
         self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=cwd, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.stderr, start_new_session=True)
-        self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        self.lines: "queue.Queue[Optional[dict]]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._write, args=(json.dumps(job).encode(),),
+                         daemon=True).start()
+
+    def _write(self, data: bytes) -> None:
         try:
-            self.proc.stdin.write(json.dumps(job).encode())
+            self.proc.stdin.write(data)
             self.proc.stdin.close()
         except OSError:     # it died before reading its job: the reader sees EOF
             pass
 
     def _read(self) -> None:
-        for raw in self.proc.stdout:
-            self.lines.put(raw.decode("utf-8", "replace"))
+        prefix = (self.nonce + " ").encode()
+        while True:
+            raw = self.proc.stdout.readline(LINE_MAX_BYTES)
+            if not raw:
+                break
+            if raw.startswith(prefix) and raw.endswith(b"\n"):
+                try:
+                    payload = json.loads(raw[len(prefix):].decode("utf-8", "replace"))
+                except ValueError:
+                    continue
+                if isinstance(payload, dict):
+                    self.lines.put(payload)
         self.lines.put(None)
 
-    def next_line(self, nonce: str, timeout: float) -> tuple[str, Any]:
-        """("ok", payload) | ("timeout", None) | ("eof", None): the next line that carries the
-        nonce (any other line is the student's, and ignored)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return "timeout", None
-            try:
-                line = self.lines.get(timeout=remaining)
-            except queue.Empty:
-                return "timeout", None
-            if line is None:
-                return "eof", None
-            if line.startswith(nonce + " "):
-                return "ok", json.loads(line[len(nonce) + 1:])
+    def next_payload(self, timeout: float) -> tuple[str, Optional[dict]]:
+        """("ok", payload) | ("timeout", None) | ("eof", None)."""
+        try:
+            payload = self.lines.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return "timeout", None
+        return ("eof", None) if payload is None else ("ok", payload)
 
     def how_it_ended(self) -> str:
         try:
@@ -328,21 +335,19 @@ def run_isolated(cells: list[dict], exercises: list[GradedCell], cwd: str, timeo
                "exercises": [{"grade_id": e.grade_id, "cell": e.cell, "ops": e.ops} for e in todo]}
         child = _Child(job, cwd)
         try:
-            status, _ = child.next_line(nonce, startup_timeout)
-            if status != "ok":
+            status, payload = child.next_payload(startup_timeout)
+            if status != "ok" or not payload.get("ready"):
                 why = ("did not start within the time limit" if status == "timeout"
                        else f"died before the checks ran ({child.how_it_ended()})")
                 results += [Result(e.grade_id, False, ename="GradingError",
                                    message=f"the grading process {why}") for e in todo]
                 return results
             while todo:
-                exercise = todo[0]
-                status, payload = child.next_line(nonce, timeout)
+                exercise = todo.pop(0)
+                status, payload = child.next_payload(timeout)
                 if status == "ok":
-                    results.append(Result(**payload))
-                    todo.pop(0)
+                    results.append(_result(exercise, payload))
                     continue
-                todo.pop(0)
                 if status == "timeout":
                     message = (f"{exercise.grade_id} ran past the {timeout:g} s time limit (the "
                                "checks ran again in a fresh process): an endless loop?")
@@ -359,6 +364,17 @@ def run_isolated(cells: list[dict], exercises: list[GradedCell], cwd: str, timeo
     return results
 
 
+def _result(exercise: GradedCell, payload: dict) -> Result:
+    """The result line's payload as a Result (only the fields a result has, as text)."""
+    if payload.get("grade_id") != exercise.grade_id:
+        return Result(exercise.grade_id, False, ename="GradingError",
+                      message=f"the grading process answered for {payload.get('grade_id')!r} "
+                              f"where {exercise.grade_id!r} was due")
+    return Result(exercise.grade_id, payload.get("passed") is True,
+                  stdout=str(payload.get("stdout", ""))[:RESULT_MAX_CHARS],
+                  ename=str(payload.get("ename", "")), message=str(payload.get("message", "")))
+
+
 class IsolatedChecks(NbGraderPreprocessor):
     """Autograde preprocessor, right after ``Execute``: each test cell's outputs become the result
     of its checks run again outside the student's kernel (see the module docstring)."""
@@ -368,8 +384,8 @@ class IsolatedChecks(NbGraderPreprocessor):
         180, help="Seconds the fresh process may take to import the checks.").tag(config=True)
     check_modules = List(
         Unicode(), list(CHECK_MODULES),
-        help="Packages or modules whose checks are registered (imported, with every submodule, "
-             "before the student's code runs).").tag(config=True)
+        help="Modules that register the checks with @exercise, imported before the student's "
+             "code runs (minivllm.learn.exercises imports every check module).").tag(config=True)
 
     def preprocess(self, nb: NotebookNode, resources: dict) -> tuple[NotebookNode, dict]:
         cells, exercises, notes = build_job(nb)

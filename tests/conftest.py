@@ -31,10 +31,11 @@ SERIAL: dict[str, "tuple[str, ...] | None"] = {
 # in conformance/conftest.py), so it is one long chain beside the other worker's modules.
 # The groups that are long by what they do, not by one day's timing, are handed out first, so that
 # no worker is left with one of them at the end: that chain of vLLM engines, every Triton kernel
-# compiled for three GPU architectures (long on a cold Triton cache), whole notebooks executed.
+# compiled for three GPU architectures (long on a cold Triton cache), whole notebooks executed
+# (and the course's nbgrader cycle: every student's notebooks, each graded twice).
 CONFORMANCE_GROUP = "conformance"
 LONG_BY_CONSTRUCTION = (CONFORMANCE_GROUP, "test_triton_aot.py", "test_notebooks.py",
-                        "test_notebooks_browser.py")
+                        "test_notebooks_browser.py", "test_course.py")
 
 
 def pytest_configure(config):

@@ -11,11 +11,11 @@ session, with the same checks there. ``python -m minivllm.notebooks refresh`` st
 
 The exercise notebooks (04, 07) are stored unexecuted: their cells are the learner's. Notebook 04
 runs twice: as shipped its first check must stop with a clear "not written yet", and with the
-solutions pasted into its exercise cells every check must pass."""
+reference solutions (the course's source notebooks, notebooks/course/source/) pasted into its
+solution cells every check must pass."""
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import os
 import re
 
@@ -334,14 +334,6 @@ def test_the_size_check_counts_streams_tables_and_output_widgets():
                                                     "t.ipynb cell 4"], problems
 
 
-def _solutions():
-    path = os.path.join(NB_DIR, "solutions", "04_exercises_solutions.py")
-    spec = importlib.util.spec_from_file_location("solutions04", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _spec_decode_exercises() -> list[str]:
     """The spec_decode assignment's exercises (notebook 04's), as the course registry lists them."""
     from minivllm.learn.exercises.registry import EXERCISES
@@ -357,14 +349,14 @@ def test_exercises_notebook_as_shipped_stops_at_the_first_check():
 
 
 def test_exercises_notebook_with_solutions_passes_every_check():
-    nb = read("04_exercises.ipynb")
-    solutions = _solutions()
-    for cell in nb.cells:
-        if "exercise" in cell.metadata.get("tags", []):
-            name = cell.source.split("def ", 1)[1].split("(", 1)[0]
-            cell.source = "import torch\n\n" + inspect.getsource(getattr(solutions, name))
+    """The reference solutions (the course's source notebooks' solution cells) pasted into notebook
+    04's solution cells: every check cell prints its ✓."""
+    from minivllm.learn.exercises import course
+    from minivllm.learn.exercises.isolate import is_test_cell
+    nb = course.fill(read("04_exercises.ipynb"), course.solutions())
+    checks = sum(is_test_cell(c) for c in nb.cells)
     text = outputs_text(execute(nb))
-    assert text.count("\u2713") == 5, text
+    assert checks >= 5 and text.count("\u2713") == checks, text
     assert not output_size_problems(nb, "04_exercises.ipynb"), output_size_problems(nb, "04")
 
 

@@ -6,5 +6,6 @@ and read its records.
 - ``then_and_now.py``: the article's function beside vLLM 0.32's override, as a diff;
 - ``notebooks.py``: the lesson notebooks, stored executed, and the check that their outputs are true;
 - ``viz/``: views of the step records (block tables, a verify step, P/D transfers) for the notebooks;
-- ``exercises/``: the checks the exercise notebooks call, and ``python -m minivllm.exercises grade``.
+- ``exercises/``: the checks the exercise notebooks call, the course's isolated grading, and
+  ``minivllm grade`` (self-study).
 """

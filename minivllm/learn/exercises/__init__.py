@@ -13,7 +13,11 @@ registry every grader reads.
   which it recomputes; the scheduler half and the worker half of an in-memory KV connector);
 - ``scale.py``: notebook 09, assignment ``pd_at_scale`` (the prefix-cache block hashes, the
   router's score and pick, the decode-first P/D decision);
-- ``course.py``: the source notebooks of ``notebooks/course/`` as data (the reference solutions).
+- ``isolate.py`` (with ``fresh.py``, the fresh process): ``IsolatedChecks``, the autograde
+  preprocessor that runs each test cell's checks again outside the student's kernel, on the
+  student's definitions only (notebooks/course/nbgrader_config.py);
+- ``course.py``: the course folder (source notebooks, reference solutions, the release);
+- ``grade.py``: ``minivllm grade NB.ipynb [...]``, self-study by nbgrader's validator.
 
 ``CHECKS`` maps the name an exercise cell defines to its check.
 """
@@ -22,7 +26,7 @@ from minivllm.learn.exercises.pd import (STORE, InMemoryConnector, InMemoryConne
                                          InMemoryConnectorMetadata, InMemoryReqMeta,
                                          InMemorySchedulerConnector, check_decode_load_plan,
                                          check_MyKVConnector, check_MyWorkerConnector)
-from minivllm.learn.exercises.registry import EXERCISES, ExerciseCheckError
+from minivllm.learn.exercises.registry import EXERCISES, Exercise, ExerciseCheckError, exercise
 from minivllm.learn.exercises.scale import (check_block_hashes, check_needs_remote_prefill,
                                             check_pick_replica)
 from minivllm.learn.exercises.spec import (_residual_reference_frequencies,
@@ -36,7 +40,7 @@ from minivllm.learn.exercises.verify import (check_accept_reject, check_block_ve
 
 CHECKS = {name: ex.run for name, ex in EXERCISES.items()}
 
-__all__ = ["CHECKS", "EXERCISES", "ExerciseCheckError", "InMemoryConnector",
+__all__ = ["CHECKS", "EXERCISES", "Exercise", "ExerciseCheckError", "exercise", "InMemoryConnector",
            "InMemoryConnectorBase", "InMemoryConnectorMetadata", "InMemoryReqMeta",
            "InMemorySchedulerConnector", "STORE", "check_MyKVConnector", "check_MyWorkerConnector",
            "check_accept_reject", "check_block_hashes", "check_block_verification",

@@ -1,65 +1,76 @@
-"""``python -m minivllm.exercises grade NB.ipynb [NB2.ipynb ...] [--csv FILE]`` (see grade.py).
+"""``python -m minivllm.learn.exercises COMMAND``:
 
-Exit status 0 only when every check of every notebook passes."""
+- ``grade NB.ipynb [...]``: self-study, each notebook run by nbgrader's validator, pass or FAIL per
+  exercise with the check's hint (grade.py; ``minivllm grade`` is the same command). Exit status 0
+  only when every exercise of every notebook passes;
+- ``release``: the student notebooks ``notebooks/<nb>.ipynb``, written by nbgrader's
+  ``generate_assignment`` from the course's source notebooks (course.py);
+- ``screenshot HTML PNG``: a PNG of an HTML page (a feedback page) by headless Chromium.
+
+All three need nbgrader: ``pip install "minivllm[classroom]"``.
+"""
 from __future__ import annotations
 
 import argparse
-import csv
+import importlib.util
 import os
 import sys
 from typing import Optional
 
+PROG = "python -m minivllm.learn.exercises"
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minivllm.exercises",
-                                     description="Grade exercise notebooks (04, 07, or a copy).")
+
+def _needs_nbgrader(parser: argparse.ArgumentParser) -> None:
+    if importlib.util.find_spec("nbgrader") is None:
+        parser.error("this command runs nbgrader, which is not installed: "
+                     "pip install \"minivllm[classroom]\" (or pip install \"nbgrader>=0.9.6\")")
+
+
+def main(argv: Optional[list[str]] = None, prog: str = PROG) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description="The classroom exercises: check a "
+                                     "notebook alone, or write the student notebooks.")
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("grade", help="run every notebook's exercises and every check")
-    g.add_argument("notebooks", nargs="+", help="student .ipynb files")
-    g.add_argument("--csv", help="also write the table to this CSV file")
-    g.add_argument("--timeout", type=float, default=60.0, help="seconds per exercise cell and check")
-    g.add_argument("--max-output", type=int, default=100_000, help="bytes an exercise may print")
-    g.add_argument("--only", action="append", metavar="N",
-                   help="check exercise N alone (its number in the notebook, or its name; "
-                        "repeatable); the others are 'not attempted'")
+    g = sub.add_parser("grade", help="check exercise notebooks alone (nbgrader's validator)",
+                       description="Run each notebook top to bottom (nbgrader's validator) and "
+                                   "print pass or FAIL per exercise, with the check's hint.")
+    g.add_argument("notebooks", nargs="+", help="exercise notebooks (.ipynb)")
+    g.add_argument("--timeout", type=int, default=60, help="seconds per cell (default 60)")
+    r = sub.add_parser("release", help="write notebooks/<nb>.ipynb from the course's sources")
+    r.add_argument("--course", default=None, help="the course folder (default notebooks/course)")
+    r.add_argument("--out", default=None, help="where the notebooks go (default notebooks/)")
+    s = sub.add_parser("screenshot", help="a PNG of an HTML page (headless Chromium)")
+    s.add_argument("html")
+    s.add_argument("png")
+    s.add_argument("--size", default="1100,1500", help="window WIDTH,HEIGHT in pixels")
     args = parser.parse_args(argv)
-    missing = [p for p in args.notebooks if not os.path.isfile(p)]
-    if missing:
-        parser.error(f"no such notebook: {', '.join(missing)}")
-    if args.timeout <= 0 or args.max_output <= 0:
-        parser.error("--timeout and --max-output must be positive")
-    try:
-        import ipykernel, jupyter_client, nbformat  # noqa: F401,E401
-    except ImportError as e:
-        parser.error(f"grading needs Jupyter ({e.name} is missing): pip install -e '.[notebooks]'")
-    from minivllm.learn.exercises.grade import grade_notebook, table
-    grades = {}
-    for i, path in enumerate(args.notebooks, 1):
-        print(f"grading {path} ({i}/{len(args.notebooks)}) ...", file=sys.stderr, flush=True)
-        grades[path] = grade_notebook(path, args.timeout, args.max_output, args.only)
-    if args.only and not any(r.attempted for res in grades.values() for r in res.values()):
-        parser.error(f"--only {' '.join(args.only)}: no such exercise in these notebooks "
-                     "(a number counts a notebook's exercises from 1, or give the name)")
-    header, rows = table(grades)
-    short = [[c.replace("ExerciseCheckError: ", "") for c in row] for row in rows]
-    short = [[c if len(c) <= 44 else c[:41] + "..." for c in row] for row in short]
-    widths = [max(len(r[i]) for r in [header, *short]) for i in range(len(header))]
-    for row in [header, ["-" * w for w in widths], *short]:
-        print(" | ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-    failures = [(p, n, r) for p, res in grades.items() for n, r in res.items()
-                if r.attempted and not r.passed]
-    if failures:
-        print("\nFailures:")
-        for path, name, r in failures:
-            print(f"- {os.path.basename(path)} / {name}:\n    " + r.detail.strip().replace("\n", "\n    "))
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            csv.writer(f).writerows([header, *rows])
-    total = sum(r.attempted for res in grades.values() for r in res.values())
-    skipped = sum(not r.attempted for res in grades.values() for r in res.values())
-    print(f"\n{total - len(failures)} of {total} checks passed"
-          + (f" ({skipped} not attempted)" if skipped else ""), file=sys.stderr)
-    return 1 if failures else 0
+
+    if args.command == "grade":
+        missing = [p for p in args.notebooks if not os.path.isfile(p)]
+        if missing:
+            parser.error(f"no such notebook: {', '.join(missing)}")
+        if args.timeout <= 0:
+            parser.error("--timeout must be positive")
+        _needs_nbgrader(parser)
+        from minivllm.learn.exercises.grade import check_notebook, print_report
+        reports = []
+        for path in args.notebooks:
+            reports.append(check_notebook(path, timeout=args.timeout))
+            print_report(reports[-1])
+        ok = all(v.passed for rep in reports for v in rep.verdicts) and all(
+            rep.verdicts for rep in reports)
+        return 0 if ok else 1
+    if args.command == "release":
+        _needs_nbgrader(parser)
+        from minivllm.learn.exercises import course
+        for path in course.release(args.course or course.COURSE_DIR,
+                                   args.out or course.NOTEBOOKS_DIR):
+            print(path)
+        return 0
+    from minivllm.learn.exercises.course import screenshot
+    width, _, height = args.size.partition(",")
+    screenshot(args.html, args.png, int(width), int(height))
+    print(args.png)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,224 +1,153 @@
-"""Grade a class's exercise notebooks: ``python -m minivllm.exercises grade NB.ipynb [...] [--csv F]``.
+"""Self-study: ``minivllm grade NB.ipynb [...]`` (``python -m minivllm.learn.exercises grade``), a
+learning aid (vLLM has no counterpart).
 
-For each notebook, in a fresh Jupyter kernel (cwd: the notebook's folder): run its plain code cells
-(imports, helpers) and its exercise cells (tagged ``exercise``), but not its check cells (the
-student may have edited those); then run minivllm's own check (``CHECKS``) on every exercise the
-notebook defines or its check cells name. Every cell and every check has a time limit; one that
-raises, runs past it (the kernel is interrupted, or restarted and the definitions replayed) or
-prints more than ``--max-output`` bytes fails that exercise only. The table, notebook x exercise,
-says ``pass`` or ``FAIL`` with the check's first line (the failing case); the details follow.
-``--only N`` (an exercise's number in its notebook, or its name; repeatable) checks those alone:
-the others are ``not attempted``, neither passed nor failed.
+A student without a course checks their own notebooks with one command. For each notebook, named by
+the path given:
+1. it warns about an exercise defined in more than one cell (the notebook and the grade use the
+   definition that ran last before the exercise's test cell);
+2. nbgrader's own student-side check, its ``Validator`` (what ``nbgrader validate`` runs), runs the
+   notebook top to bottom in a fresh kernel, with a time limit per cell: the notebook's own ✓ and
+   the verdict agree, a correct answer in a new cell counts, an edited test cell is reported;
+3. it prints pass or FAIL per exercise (a graded test cell, named by its ``grade_id`` without
+   ``_test``), with the check's message: the case, the input, expected and got, and the hint.
+
+The released notebooks hold the visible cases only; a course's autograde adds the hidden ones
+(notebooks/course/README.md). Everything else (kernels, time limits, the gradebook) is nbgrader's;
+this module is the two things nbgrader does not do: the duplicate-definition warning and the
+per-exercise summary with the hints. Needs nbgrader: ``pip install "minivllm[classroom]"``.
 """
 from __future__ import annotations
 
 import ast
 import os
-import queue
-import re
-import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-CHECK_CALL = re.compile(r"exercises\.check_\w+\(\s*(\w+)\s*\)")
-
-
-NOT_ATTEMPTED = "not attempted"
+from minivllm.learn.exercises.isolate import is_test_cell, checks_of
 
 
 @dataclass
-class Result:
+class Verdict:
+    exercise: str           # the test cell's grade_id without "_test"
     passed: bool
-    detail: str = ""       # why it failed: the check's message (case, input, expected, got)
-    attempted: bool = True  # False: left out by --only (neither passed nor failed)
+    message: str = ""       # why it failed: the check's message, hint included
 
 
-def selected(exercises: list[str], only: Optional[list[str]]) -> set[str]:
-    """The exercise names ``only`` picks: numbers count the notebook's exercise cells from 1."""
-    if not only:
-        return set(exercises)
-    picked = set()
-    for item in only:
-        if item.isdigit() and 1 <= int(item) <= len(exercises):
-            picked.add(exercises[int(item) - 1])
-        elif item in exercises:
-            picked.add(item)
-    return picked
+@dataclass
+class Report:
+    path: str
+    verdicts: list[Verdict]
+    warnings: list[str]
+    executed: Any = None    # the notebook as it ran (its outputs: what the student sees too)
 
 
-def defined_name(source: str) -> Optional[str]:
-    """The first top-level function or class an exercise cell defines."""
+def _parsed(source: str) -> Optional[ast.Module]:
+    from minivllm.learn.exercises.isolate import _python_source
     try:
-        for node in ast.parse(source).body:
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                return node.name
+        return ast.parse(_python_source(source))
     except SyntaxError:
-        pass
-    m = re.search(r"^(?:def|class)\s+(\w+)", source, re.M)
-    return m.group(1) if m else None
+        return None
 
 
-def split_cells(nb: Any) -> tuple[list[str], list[tuple[str, str]], list[str]]:
-    """(plain code cells, [(exercise name, source)], names the check cells check)."""
-    plain, exercises, checked = [], [], []
+def defined_twice(nb: Any) -> list[str]:
+    """A warning per exercise (a name a test cell checks) that more than one cell defines."""
+    checked: list[str] = []
     for cell in nb.cells:
-        if cell.cell_type != "code":
+        if cell.cell_type == "code" and is_test_cell(cell):
+            try:
+                checked += [op["arg"] for op in checks_of(cell.source) if "check" in op]
+            except SyntaxError:
+                continue
+    cells_of: dict[str, list[int]] = {}
+    for number, cell in enumerate(nb.cells, 1):
+        if cell.cell_type != "code" or is_test_cell(cell):
             continue
-        if "exercise" in cell.metadata.get("tags", []):
-            exercises.append((defined_name(cell.source) or "<unnamed exercise>", cell.source))
-        elif CHECK_CALL.search(cell.source):
-            checked += CHECK_CALL.findall(cell.source)
-        elif cell.source.strip():
-            plain.append(cell.source)
-    return plain, exercises, checked
+        tree = _parsed(cell.source)
+        for node in tree.body if tree else []:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if node.name in checked and number not in cells_of.setdefault(node.name, []):
+                    cells_of[node.name].append(number)
+    return [f"{name} is defined in cells {', '.join(map(str, cells[:-1]))} and {cells[-1]} "
+            "(counting every cell from 1): the one that runs last before its check is graded"
+            for name, cells in cells_of.items() if len(cells) > 1]
 
 
-class Kernel:
-    """One Jupyter kernel; ``run(code, timeout)`` -> (status, text): ok | error | timeout | output."""
-
-    def __init__(self, cwd: str, max_output: int) -> None:
-        from jupyter_client import KernelManager
-        self.cwd, self.max_output = cwd, max_output
-        self.km = KernelManager(kernel_name="python3")
-        self.start()
-
-    def start(self) -> None:
-        env = {**os.environ, "MPLBACKEND": "Agg", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        self.km.start_kernel(cwd=self.cwd, env=env)
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=120)
-
-    def restart(self) -> None:
-        self.kc.stop_channels()
-        self.km.restart_kernel(now=True)
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=120)
-
-    def run(self, code: str, timeout: float) -> tuple[str, str]:
-        msg_id = self.kc.execute(code, store_history=False, allow_stdin=False)
-        deadline, out, nbytes, status = time.monotonic() + timeout, [], 0, "ok"
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                if not self._interrupt(msg_id):
-                    self.restart()
-                return "timeout", f"ran past the {timeout:.0f} s time limit"
-            try:
-                msg = self.kc.get_iopub_msg(timeout=max(remaining, 0.05))
-            except queue.Empty:
-                continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                nbytes += len(content["text"])
-                if len(out) < 200:
-                    out.append(content["text"])
-                if nbytes > self.max_output:
-                    if not self._interrupt(msg_id):
-                        self.restart()
-                    return "output", f"printed more than {self.max_output} bytes"
-            elif kind == "error":
-                status = "error"
-                out.append(f"{content['ename']}: {content['evalue']}")
-            elif kind == "status" and content["execution_state"] == "idle":
-                return status, "".join(out) if status == "ok" else out[-1]
-
-    def _interrupt(self, msg_id: str, wait: float = 10.0) -> bool:
-        """Interrupt the running cell and wait for the kernel to go idle again."""
-        self.km.interrupt_kernel()
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            try:
-                msg = self.kc.get_iopub_msg(timeout=0.5)
-            except queue.Empty:
-                continue
-            if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
-                    and msg["content"]["execution_state"] == "idle"):
-                return True
-        return False
-
-    def close(self) -> None:
-        try:
-            self.kc.stop_channels()
-        finally:
-            self.km.shutdown_kernel(now=True)
+def _failure(cell: Any, timeout: int) -> str:
+    """What a failed test cell says: its error (the check's message) or its stderr."""
+    from nbconvert.filters import strip_ansi
+    if any(out.get("ename") == "CellTimeoutError" for out in cell.get("outputs", [])):
+        return (f"ran past the {timeout} s time limit and was interrupted: an endless loop? "
+                "(the notebook's next cells still ran)")
+    for out in cell.get("outputs", []):
+        if out.output_type == "error":
+            return strip_ansi(f"{out.ename}: {out.evalue}")
+        if out.output_type == "stream" and out.name == "stderr":
+            return "wrote on stderr (a graded cell that does scores 0): " + out.text.strip()
+    return "partial credit: the cell's last value is a number below its points"
 
 
-def grade_notebook(path: str, timeout: float = 60.0, max_output: int = 100_000,
-                   only: Optional[list[str]] = None) -> dict[str, Result]:
+def check_notebook(path: str, timeout: int = 60) -> Report:
+    """Run ``path`` top to bottom with nbgrader's Validator and read each test cell's verdict."""
     import nbformat
-    from minivllm.learn.exercises import CHECKS
+    from nbgrader import utils
+    from nbgrader.validator import Validator
+    from traitlets.config import Config
+
+    executed: list[Any] = []
+
+    class _Validator(Validator):
+        def _preprocess(self, nb):           # keep the executed notebook: one verdict per cell
+            nb = super()._preprocess(nb)
+            executed.append(nb)
+            return nb
+
+    config = Config()
+    config.Execute.timeout = timeout
+    config.Validator.ignore_checksums = False
+    nb = nbformat.read(path, as_version=4)
+    warnings = defined_twice(nb)
+    tests = [c for c in nb.cells if is_test_cell(c)]
+    if not tests:
+        return Report(path, [], warnings + ["no graded test cell: a released exercise notebook "
+                                            "(notebooks/04_exercises.ipynb, ...) has one per "
+                                            "exercise"])
+    validator = _Validator(config=config)
     try:
-        nb = nbformat.read(path, as_version=4)
-    except Exception as e:          # not a notebook at all: every exercise of it is unknown
-        return {"<notebook>": Result(False, f"cannot read {path}: {type(e).__name__}: {e}")}
-    plain, exercises, checked = split_cells(nb)
-    results: dict[str, Result] = {}
-    names = [n for n, _ in exercises]
-    if only:
-        chosen = selected(names, only)
-        results = {n: Result(False, NOT_ATTEMPTED, attempted=False) for n in names if n not in chosen}
-        checked = [n for n in checked if n in chosen]
-    for name in checked:
-        if name not in names and name not in results:
-            results[name] = Result(False, f"no exercise cell defines {name}")
-    kernel = Kernel(os.path.dirname(os.path.abspath(path)), max_output)
-    try:
-        replay: list[str] = []
-        for source in plain:     # imports and helpers; a broken one shows up in the checks
-            if kernel.run(source, max(timeout, 120.0))[0] == "ok":
-                replay.append(source)
-        defined = []
-        for name, source in exercises:
-            status, text = kernel.run(source, timeout)
-            if status != "ok":
-                results[name] = Result(False, f"the exercise cell {'raised ' if status == 'error' else ''}{text}")
-                if status != "error":         # it may have left the kernel restarted: replay
-                    _replay(kernel, replay, timeout)
-            else:
-                replay.append(source)
-                defined.append(name)
-        for name in defined:
-            if name in results:                   # left out by --only
-                continue
-            if name not in CHECKS:
-                results[name] = Result(False, f"no check for an exercise named {name} "
-                                              f"(known: {', '.join(CHECKS)})")
-                continue
-            code = f"from minivllm.learn.exercises import CHECKS as _checks\n_checks[{name!r}]({name})"
-            status, text = kernel.run(code, timeout)
-            if status == "ok":
-                results[name] = Result(True)
-            else:
-                results[name] = Result(False, text)
-                if status != "error":
-                    _replay(kernel, replay, timeout)
-    finally:
-        kernel.close()
-    return results
+        results = validator.validate(os.path.abspath(path))
+    except Exception as e:   # a dead kernel (os._exit, a segfault), a kernel that never started
+        message = f"the notebook did not run to the end: {type(e).__name__}: {e}"
+        return Report(path, [Verdict(_exercise(c), False, message) for c in tests], warnings)
+    if results.get("type_changed"):
+        warnings.append(f"{len(results['type_changed'])} cell(s) changed type (code <-> markdown)"
+                        ": change them back, nbgrader grades by the released cell types")
+        return Report(path, [Verdict(_exercise(c), False, "not run: a cell changed type")
+                             for c in tests], warnings)
+    if results.get("changed"):
+        warnings.append(f"{len(results['changed'])} test cell(s) were edited: a course's grader "
+                        "restores them, so a passing edit does not count")
+    verdicts = []
+    for cell in executed[0].cells if executed else []:
+        if not is_test_cell(cell):
+            continue
+        score, points = utils.determine_grade(cell)
+        passed = score is not None and score >= points
+        verdicts.append(Verdict(_exercise(cell), passed, "" if passed else _failure(cell, timeout)))
+    return Report(path, verdicts, warnings, executed[0] if executed else None)
 
 
-def _replay(kernel: Kernel, sources: list[str], timeout: float) -> None:
-    """After an interrupt that may have restarted the kernel: define everything that worked again."""
-    for source in sources:
-        kernel.run(source, max(timeout, 120.0))
+def _exercise(cell: Any) -> str:
+    grade_id = cell.metadata["nbgrader"]["grade_id"]
+    return grade_id[:-len("_test")] if grade_id.endswith("_test") else grade_id
 
 
-def table(grades: dict[str, dict[str, Result]]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the notebook x exercise table (full details in the cells)."""
-    from minivllm.learn.exercises import CHECKS
-    seen = {n for r in grades.values() for n in r}
-    columns = [n for n in CHECKS if n in seen] + sorted(seen - set(CHECKS))
-    rows = []
-    for path, results in grades.items():
-        row = [os.path.basename(path)]
-        for name in columns:
-            r = results.get(name)
-            row.append("-" if r is None else "pass" if r.passed else NOT_ATTEMPTED
-                       if not r.attempted else
-                       "FAIL: " + " | ".join(ln.strip() for ln in r.detail.splitlines() if ln.strip()))
-        rows.append(row)
-    return ["notebook", *columns], rows
+def print_report(report: Report) -> None:
+    print(report.path)
+    for warning in report.warnings:
+        print(f"  warning: {warning}")
+    width = max([len(v.exercise) for v in report.verdicts], default=0)
+    for v in report.verdicts:
+        print(f"  {'pass' if v.passed else 'FAIL'}  {v.exercise:<{width}}".rstrip())
+        if not v.passed:
+            print("        " + v.message.strip().replace("\n", "\n        "))
+    passed = sum(v.passed for v in report.verdicts)
+    print(f"  {passed} of {len(report.verdicts)} exercises pass\n")

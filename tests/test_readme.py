@@ -1,4 +1,4 @@
-"""README: under 300 lines, every code block parses (python, bash, json), every module it runs
+"""README: under 350 lines, every code block parses (python, bash, json), every module it runs
 exists, its breakpoint table matches minivllm.steps, and its Python blocks run as written (default
 model). Also bench/results.py, which writes the tables README links to."""
 import ast
@@ -20,7 +20,7 @@ BLOCKS = re.findall(r"^```(\w*)\n(.*?)^```", README, re.S | re.M)
 
 
 def test_readme_is_short_and_every_block_parses(tmp_path):
-    assert len(README.splitlines()) < 300
+    assert len(README.splitlines()) < 350
     assert {lang for lang, _ in BLOCKS} <= {"bash", "python", "json", "text"}   # text: the tree
     for lang, code in BLOCKS:
         if lang == "python":

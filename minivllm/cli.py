@@ -34,6 +34,8 @@ COMMANDS: dict[str, Command] = {
                        "a Redis server as the KV-cache service"),
     "train": Command("minivllm.train.__main__", "minivllm.train",
                      "train a learned drafter: train {eagle,eagle3,medusa}"),
+    "sim": Command("minivllm.sim.__main__", "minivllm.sim",
+                   "the engine's scheduler in virtual time: sim {profile,run}"),
     "notebooks": Command("minivllm.learn.notebooks", "minivllm.notebooks",
                          "run or check the stored notebooks"),
 }

@@ -70,10 +70,12 @@ class KVEventsBlockPool(BlockPool):
         return events
 
 
-def attach_kv_events(engine_core: Any, config: KVEventsConfig) -> Any:
+def attach_kv_events(engine_core: Any, config: KVEventsConfig, publisher: Any = None) -> Any:
     """Give ``engine_core``'s scheduler a ``KVEventsBlockPool`` (before any block is used) and
     publish each step's events as one ``KVEventBatch`` after ``update_from_output``, as vLLM's
-    scheduler does. Returns the publisher (``ZmqEventPublisher.endpoint``: where it sends)."""
+    scheduler does. Returns the publisher (``ZmqEventPublisher.endpoint``: where it sends).
+    ``publisher``: any object with ``publish(batch)`` and ``shutdown()`` to take the batches
+    instead of the one ``config`` makes (the simulator keeps them in memory for its fleet)."""
     scheduler = engine_core.scheduler
     manager = scheduler.kv_cache_manager
     old = manager.block_pool
@@ -81,7 +83,7 @@ def attach_kv_events(engine_core: Any, config: KVEventsConfig) -> Any:
         raise RuntimeError("KV events must be attached before the engine runs a request.")
     pool = KVEventsBlockPool(old.num_gpu_blocks, old.enable_caching)
     manager.block_pool = pool
-    publisher = make_publisher(config)
+    publisher = make_publisher(config) if publisher is None else publisher
     update_from_output = scheduler.update_from_output
 
     def update_and_publish(scheduler_output: Any, model_runner_output: Any) -> Any:

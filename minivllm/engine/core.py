@@ -23,18 +23,21 @@ from minivllm.core.sched.output import SchedulerOutput
 from minivllm.request import Request
 from minivllm.trace import Tracer
 from minivllm.utils import resolve_obj_by_qualname
-from minivllm.worker.worker import Worker
 
 # As vLLM's SchedulerConfig.scheduler_cls: the article's scheduler, or vLLM 0.32's AsyncScheduler.
 SCHEDULER_CLS = {False: "minivllm.core.sched.scheduler.Scheduler",
                  True: "minivllm.core.sched.async_scheduler.AsyncScheduler"}
+# As vLLM's ParallelConfig.worker_cls: "auto" is the article's Worker; any other value is a class's
+# qualified name (the simulator's SimulatedWorker, minivllm/sim/worker.py, runs no model).
+WORKER_CLS = {"auto": "minivllm.worker.worker.Worker"}
 
 
 class EngineCore:
     def __init__(self, vllm_config: VllmConfig,
                  detokenize: Optional[Callable[[list[int]], str]] = None) -> None:
         self.vllm_config = vllm_config
-        self.worker = Worker(vllm_config)
+        worker_cls = vllm_config.parallel_config.worker_cls
+        self.worker = resolve_obj_by_qualname(WORKER_CLS.get(worker_cls, worker_cls))(vllm_config)
         self.worker.init_device()
         self.worker.load_model()
         num_gpu_blocks = self.worker.determine_num_available_blocks()

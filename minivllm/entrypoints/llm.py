@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from minivllm.config import (LEARNED_DRAFTER_METHODS, CacheConfig, DeviceConfig, KVEventsConfig,
-                             KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
-                             VllmConfig)
+                             KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig, VllmConfig)
 from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -87,6 +87,7 @@ class LLM:
         logprobs_mode: str = "raw_logprobs",   # vLLM's; see minivllm/sample/ops/logprobs.py
         max_logprobs: int = 20,
         kv_events_config: Optional[dict] = None,   # vLLM's KVEventsConfig (config/kv_events.py)
+        worker_cls: str = "auto",   # vLLM's ParallelConfig.worker_cls (config/parallel.py)
     ) -> None:
         _arm_breakpoints(break_at)   # an unknown id: ValueError, before any work
         # 1. The arguments, each checked by its config class: nothing is loaded yet.
@@ -99,6 +100,7 @@ class LLM:
                                    num_gpu_blocks_override=num_gpu_blocks_override,
                                    kv_cache_memory_bytes=kv_cache_memory_bytes)
         spec = SpeculativeConfig.from_dict(speculative_config)
+        parallel_config = ParallelConfig(worker_cls=worker_cls)
         if kv_transfer_config is not None:
             from minivllm.distributed.kv_transfer.factory import validate_kv_transfer_config
             kv_transfer_config = validate_kv_transfer_config(kv_transfer_config)
@@ -120,7 +122,8 @@ class LLM:
         self.vllm_config = VllmConfig(model_config, cache_config, sched_config, spec,
                                       kv_transfer_config, device=device_config.device,
                                       attention_backend=device_config.attention_backend,
-                                      hf_config=hf_config, model_path=model_path)
+                                      hf_config=hf_config, model_path=model_path,
+                                      parallel_config=parallel_config)
         # 3. Build the engine: load weights, allocate the KV cache.
         self.llm_engine = LLMEngine(self.vllm_config, _load_tokenizer(model_config, model_path),
                                     extra_eos_token_ids=_generation_eos_ids(model_path))

@@ -1,0 +1,12 @@
+"""The engine's scheduler in virtual time (DESIGN.md 5.8: ``python -m minivllm.sim``). No vLLM
+package: vLLM has no simulator; this one runs vLLM's own scheduling code, minivllm's mirror of it.
+
+- ``cost_model.py``: a step's shape and its time (``StepShape``, ``CostModel``), fitted on this
+  machine by ``profile.py`` (``python -m minivllm.sim profile``);
+- ``worker.py``: ``SimulatedWorker``, the worker ``EngineCore`` builds when
+  ``ParallelConfig.worker_cls`` names it: no model, a virtual clock;
+- ``engine.py``: ``SimEngine``, the real ``EngineCore`` driven in virtual time;
+- ``trace.py``: JSON-lines traces and their generators.
+
+The engine never imports this package (pyproject.toml's import contract).
+"""

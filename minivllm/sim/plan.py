@@ -309,8 +309,8 @@ def make_plan(rows: list[PlanRow], rate: float, slo: SLO, cost_model: CostModel,
     return Plan(rows, best, copies, rate, targets, command)
 
 
-def print_plan(plan: Plan, slo: SLO, num_requests: int, out: Any = sys.stdout) -> None:
-    w = out.write
+def print_plan(plan: Plan, slo: SLO, num_requests: int, out: Any = None) -> None:
+    w = (out or sys.stdout).write
     w(f"Goodput: the highest rate at which >= {slo.attainment:.0%} of requests meet TTFT <= "
       f"{slo.ttft_s:g} s and ITL <= {slo.itl_s:g} s (DistServe's), {num_requests} requests, "
       f"their arrivals scaled.\n\n")

@@ -181,7 +181,7 @@ def main(args: argparse.Namespace) -> int:
         config = fleet_config(args, **counts)
         vllm_config = engine_config(args)
         requests = requests_from_args(args, int(vllm_config.hf_config.vocab_size), lazy=True)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fleet = SimFleet(config, vllm_config, cost_model)
     except (ValueError, OSError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
@@ -189,7 +189,7 @@ def main(args: argparse.Namespace) -> int:
     if args.progress:
         requests = _with_progress(requests, args)
     records = fleet.run(requests)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     summary = summarize_records(records)
     summary.update(fleet.stats())
     if args.ttft_p90 is not None and args.itl_p90 is not None:
@@ -204,10 +204,11 @@ def main(args: argparse.Namespace) -> int:
             out.close()
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     steps = sum(v for k, v in summary.items() if k.endswith("_steps"))
+    n = max(1, len(records))
     print(f"{prog}: {len(records)} requests over {config.num_instances} replicas "
-          f"({config.label()}) in {wall:.1f} s: {wall / max(1, len(records)) * 1e3:.2f} ms per "
-          f"request, {steps} engine steps, peak RSS {rss_mb:.0f} MB; cost model "
-          f"{cost_model.meta.get('path')}", file=sys.stderr)
+          f"({config.label()}) in {wall:.1f} s ({cpu:.1f} s CPU): {wall / n * 1e3:.2f} ms per "
+          f"request ({cpu / n * 1e3:.2f} ms CPU), {steps} engine steps, peak RSS {rss_mb:.0f} MB;"
+          f" cost model {cost_model.meta.get('path')}", file=sys.stderr)
     return 0
 
 

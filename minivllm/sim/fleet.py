@@ -245,6 +245,7 @@ class SimReplica:
     def _run(self) -> Iterator[simpy.Event]:
         engine, env, hub = self.engine, self.env, self.fleet.hub
         worker = engine.worker
+        reports = isinstance(worker, PDSimulatedWorker)    # a connector's finished transfers
         while True:
             if not engine.has_requests():
                 yield self._sleep()
@@ -264,7 +265,7 @@ class SimReplica:
                 continue                      # a finished transfer to report: step again
             so = result.scheduler_output
             if ((so is None or so.total_num_scheduled_tokens == 0)
-                    and not getattr(worker, "last_reported", False)) or \
+                    and not (reports and worker.last_reported)) or \
                     not engine.has_unfinished_requests():
                 # Nothing can run until an arrival or a finished transfer: a step now would
                 # schedule nothing (a prefill replica holding blocks for a pull, a decode

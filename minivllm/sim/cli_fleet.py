@@ -15,6 +15,7 @@ memory).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import resource
@@ -78,6 +79,11 @@ def add_fleet_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--transfer", default="zmq_pull",
                     help=f"one KV pull's cost: {', '.join(TRANSFER_COSTS)} (measured here or "
                     "typical), or GBPS[:LATENCY_MS] for a network")
+    ap.add_argument("--contention", default="1",
+                    help="wall seconds per CPU second of a replica's step: 1 (default) for "
+                    "replicas on machines of their own; 'profile' for the one the cost model "
+                    "measured here (other processes sharing the cores); or a number (about N / "
+                    "cores for N replicas sharing this machine)")
 
 
 def load_cost_model(args: argparse.Namespace, prog: str) -> Optional[Any]:
@@ -94,6 +100,21 @@ def load_cost_model(args: argparse.Namespace, prog: str) -> Optional[Any]:
     if fitted_on and fitted_on != platform.node():
         print(f"{prog}: note: the cost model in {path} was fitted on {fitted_on}, not on this "
               f"machine ({platform.node()}).", file=sys.stderr)
+    contention = getattr(args, "contention", None)
+    if contention is not None and contention != "profile":
+        try:
+            value = float(contention)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            print(f"{prog}: --contention is a number > 0 or 'profile', got {contention!r}.",
+                  file=sys.stderr)
+            return None
+        if value != cost_model.contention:
+            print(f"{prog}: note: contention {value:g} (each replica on a machine of its own "
+                  f"when 1); the profile measured {cost_model.contention:.3g} here "
+                  "(--contention profile uses it).", file=sys.stderr)
+        cost_model = dataclasses.replace(cost_model, contention=value)
     cost_model.meta.setdefault("path", path)
     return cost_model
 

@@ -36,7 +36,7 @@ COMMANDS: dict[str, Command] = {
     "train": Command("minivllm.train.__main__", "minivllm.train",
                      "train a learned drafter: train {eagle,eagle3,medusa}"),
     "sim": Command("minivllm.sim.__main__", "minivllm.sim",
-                   "the engine's scheduler in virtual time: sim {profile,run}"),
+                   "the engine's scheduler in virtual time: sim {profile,run,fleet,plan}"),
     "notebooks": Command("minivllm.learn.notebooks", "minivllm.notebooks",
                          "run or check the stored notebooks"),
 }

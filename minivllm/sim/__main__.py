@@ -1,5 +1,5 @@
-"""``python -m minivllm.sim {profile,run}`` (``minivllm sim ...``): DESIGN.md 5.8's planning
-commands. No vLLM file, no article step (see the package docstring).
+"""``python -m minivllm.sim {profile,run,fleet,plan}`` (``minivllm sim ...``): DESIGN.md 5.8's
+planning commands. No vLLM file, no article step (see the package docstring).
 
 - ``profile [--model M] [--minutes N]``: time the real engine's steps on this machine, fit the cost
   model and store it (profile.py).
@@ -9,15 +9,23 @@ commands. No vLLM file, no article step (see the package docstring).
   (``ttft_p50_s``, ``ttft_p90_s``, ``itl_p50_s``, ``itl_p90_s``, ``makespan_s``,
   ``num_requests``). ``itl_s`` is a request's mean inter-token latency (its TPOT). Exit status 2,
   with the command that makes one, when no cost model is stored for this machine and model.
+- ``fleet``, ``plan``: subcommands whose parser and handler live in modules of their own
+  (``SUBCOMMANDS``): a fleet of simulated engines (cli_fleet.py), the planner (plan.py).
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import platform
 import sys
 import time
 from typing import Optional
+
+
+# Subcommands in modules of their own: name -> module with ``add_parser(sub, default_model)`` and
+# ``main(args) -> int`` (exit status).
+SUBCOMMANDS = {"fleet": "minivllm.sim.cli_fleet", "plan": "minivllm.sim.plan"}
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -131,11 +139,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     sub.add_parser("profile", add_help=False,
                    help="time the real engine's steps here and store the fitted cost model")
     _run_parser(sub, DEFAULT_MODEL)
+    for module in SUBCOMMANDS.values():
+        importlib.import_module(module).add_parser(sub, DEFAULT_MODEL)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "profile":   # its own parser (profile.py), help included
         from minivllm.sim.profile import main as profile_main
         return profile_main(argv[1:])
-    return run(ap.parse_args(argv))
+    args = ap.parse_args(argv)
+    if args.command in SUBCOMMANDS:
+        return importlib.import_module(SUBCOMMANDS[args.command]).main(args)
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -134,12 +134,13 @@ def make_vllm_config(model: str, *, hf_config: Any = None, model_path: Optional[
 class SimEngine:
     """The real engine core on a virtual clock. ``vllm_config.parallel_config.worker_cls`` is set
     to the simulated worker; everything else runs as configured."""
+    worker_cls = SIMULATED_WORKER      # a subclass may name a subclass of SimulatedWorker
 
     def __init__(self, vllm_config: VllmConfig, cost_model: CostModel,
                  drafts: Optional[DraftSource] = None, *, kv_events: bool = False,
                  record_token_times: bool = True) -> None:
         vllm_config = dataclasses.replace(
-            vllm_config, parallel_config=ParallelConfig(worker_cls=SIMULATED_WORKER))
+            vllm_config, parallel_config=ParallelConfig(worker_cls=self.worker_cls))
         self.vllm_config = vllm_config
         self.core = EngineCore(vllm_config)
         self.worker: SimulatedWorker = self.core.worker
@@ -193,12 +194,14 @@ class SimEngine:
         self.worker.advance_clock_to(t)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], output_tokens: int,
-                    arrival_s: Optional[float] = None) -> Request:
+                    arrival_s: Optional[float] = None,
+                    kv_transfer_params: Optional[dict] = None) -> Request:
         """Queue a request that arrived at ``arrival_s`` (default: now). It runs exactly
         ``output_tokens`` tokens (``SamplingParams(max_tokens=output_tokens, ignore_eos=True)``:
         the scheduler's own length check ends it), fewer only if ``max_model_len`` cuts it. An
         arrival later than the clock is allowed only while the engine is idle: the clock jumps to
-        it."""
+        it. ``kv_transfer_params``: P/D's, as a client sends them (vLLM reads them from
+        ``SamplingParams.extra_args``); the fleet simulator's prefill and decode calls."""
         max_model_len = self.vllm_config.model_config.max_model_len
         if not 0 < len(prompt_token_ids) < max_model_len:
             raise ValueError(f"request {request_id}: a prompt needs 1 to {max_model_len - 1} "
@@ -212,7 +215,9 @@ class SimEngine:
         arrival = self.clock if arrival_s is None else arrival_s
         if arrival > self.clock:
             self.advance_to(arrival)
-        params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+        params = SamplingParams(max_tokens=output_tokens, ignore_eos=True, extra_args=None if
+                                kv_transfer_params is None else
+                                {"kv_transfer_params": kv_transfer_params})
         request = self.scheduler.make_request(request_id, list(prompt_token_ids), params,
                                               self.eos_token_id)
         self.times[request_id] = RequestTimes(

@@ -198,15 +198,7 @@ class ZmqPullConnector(ZmqPullWorkerMixin, KVConnectorBase_V1):
             self._record("request_finished", req_id, args={"block_ids": list(block_ids)},
                          result=(False, None))
             return False, None
-        try:   # registered before the output leaves P, so D's first read finds it
-            reply = request(self._ctx, f"tcp://{self._host}:{self._port}",
-                            {"op": "hold", "req_id": req_id, "block_ids": list(block_ids),
-                             "lease_s": self._lease_s}, self._timeout_s)
-            ok = json.loads(reply[0])["status"] == "ok"
-        except Exception as e:   # noqa: BLE001
-            self._warn(f"ZmqPullConnector: cannot hold {req_id}'s blocks ({e}); D will recompute.")
-            ok = False
-        if not ok:
+        if not self._hold(req_id, block_ids):
             return False, None
         self._stats["num_held"] += 1
         out = {"do_remote_prefill": True, "do_remote_decode": False,
@@ -217,6 +209,18 @@ class ZmqPullConnector(ZmqPullWorkerMixin, KVConnectorBase_V1):
         self._record("request_finished", req_id, args={"block_ids": list(block_ids)},
                      result=(True, out))
         return True, out
+
+    def _hold(self, req_id: str, block_ids: list[int]) -> bool:
+        """Register the blocks with P's own worker half (a lease), before the output leaves P,
+        so D's first read finds them. False (D will recompute) when the worker does not answer."""
+        try:
+            reply = request(self._ctx, f"tcp://{self._host}:{self._port}",
+                            {"op": "hold", "req_id": req_id, "block_ids": list(block_ids),
+                             "lease_s": self._lease_s}, self._timeout_s)
+            return json.loads(reply[0])["status"] == "ok"
+        except Exception as e:   # noqa: BLE001
+            self._warn(f"ZmqPullConnector: cannot hold {req_id}'s blocks ({e}); D will recompute.")
+            return False
 
     def _send_done(self, params: dict) -> None:
         try:

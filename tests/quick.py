@@ -61,6 +61,9 @@ QUICK: dict[str, "tuple[str, ...] | None"] = {
                                   "test_connector_calls_per_role",
                                   "test_corrupt_bytes_are_caught_at_lookup"),
     "test_vllm_today_context.py": ("test_order_around_the_forward",),
+    # the simulator: its steps are the real scheduler's
+    "test_sim.py": ("test_scheduling_decisions_are_the_real_ones",
+                    "test_fit_recovers_known_coefficients"),
     # the reader's side: breakpoints, the readable core, README, import contracts
     "test_steps.py": ALL,
     # the walks run the default model (its drafts come from its own repetition): full run only

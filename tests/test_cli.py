@@ -48,3 +48,15 @@ def test_grade_is_the_exercises_grade_command(tmp_path, capsys):
         main(["grade", str(tmp_path / "missing.ipynb")])
     assert e.value.code == 2
     assert "no such notebook" in capsys.readouterr().err
+
+
+def test_sim_is_the_simulators_command(tmp_path, capsys, monkeypatch):
+    """``minivllm sim run`` is ``python -m minivllm.sim run``: with no cost model stored for the
+    model on this machine it exits 2 and names the command that measures one."""
+    monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"arrival_s": 0, "prompt_tokens": 8, "output_tokens": 4}\n')
+    with pytest.raises(SystemExit) as e:
+        main(["sim", "run", "--trace", str(trace), "--model", "some/model"])
+    assert e.value.code == 2
+    assert "python -m minivllm.sim profile --model some/model" in capsys.readouterr().err

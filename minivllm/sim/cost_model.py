@@ -21,9 +21,13 @@ theirs). No article step either: it times the step the article walks through (``
         + drafter_req_s   * num_drafting_reqs    model's k passes), and per request it drafts for
 
   Every coefficient is a time per unit, fitted by non-negative least squares on relative error
-  (``fit``); a step that schedules nothing costs nothing. ``bench roofline``'s speed-up
-  prediction is the same model at batch 1 with two of its terms, taken from the difference of
-  two separately timed medians; see ``fit`` for what changes here.
+  (``fit``); a step that schedules nothing costs nothing. On a CPU with one torch thread the
+  terms are fitted to the step's CPU time (the thread's: what the step itself costs), and
+  ``contention`` (wall seconds per CPU second, the median over the profile's steps) turns them
+  into wall time: on a machine other processes share, a step waits for a core as well (1 on an
+  idle machine; about ``N / cores`` for N busy engines sharing the cores). ``bench roofline``'s
+  speed-up prediction is the same model at batch 1 with two of its terms, taken from the
+  difference of two separately timed medians; see ``fit`` for what changes here.
 - ``Acceptance``: how many drafts a verify step accepts, measured on a real run (the
   distribution of the accepted length for a full proposal of ``k``, and how often the drafter
   proposes at all: n-gram proposes nothing when the context has no match).
@@ -56,7 +60,7 @@ class StepShape:
     num_decode_reqs: int = 0
     num_prefill_tokens: int = 0      # sum of q over prefill requests
     num_decode_tokens: int = 0       # one per decode request
-    num_draft_tokens: int = 0        # drafts scheduled for verification (scheduled_spec_decode_tokens)
+    num_draft_tokens: int = 0        # drafts verified (scheduled_spec_decode_tokens)
     # Keys attended, summed: a prefill chunk's token i attends c + i + 1 keys, so a chunk of q adds
     # q * c + q * (q + 1) / 2; a decode request reads its whole KV once, c + 1 + drafts.
     prefill_context_sum: int = 0
@@ -125,7 +129,8 @@ class Acceptance:
     """Measured drafting: ``accepted_length_probs[a]`` is the probability that a proposal of
     ``num_speculative_tokens`` drafts has its first ``a`` accepted (a = 0..k); a shorter
     proposal (the request's remaining length caps it) accepts at most what it has.
-    ``draft_probability``: how often a request that samples gets drafts at all."""
+    ``draft_probability``: how often a request that samples gets drafts at all;
+    ``num_observed``: the verifies it was measured on."""
     method: str
     num_speculative_tokens: int
     accepted_length_probs: list[float]
@@ -147,18 +152,28 @@ class Acceptance:
     @classmethod
     def measure(cls, method: str, k: int, verified: Sequence[tuple[int, int]],
                 num_sampling: int, num_proposing: int) -> "Acceptance":
-        """From a real run: ``verified`` = (drafts scheduled, drafts accepted) per verify; only
-        full proposals of ``k`` enter the distribution. ``num_proposing`` of the
-        ``num_sampling`` sampled request-steps got drafts."""
-        counts = [0] * (k + 1)
+        """From a real run: ``verified`` = (drafts scheduled, drafts accepted) per verify;
+        ``num_proposing`` of the ``num_sampling`` sampled request-steps got drafts.
+
+        Every verify counts, the short ones too (a proposal cut by the request's remaining
+        length): draft ``i`` was tried when the ``i - 1`` before it were accepted, so the rate of
+        position ``i`` is accepted-at-``i`` over tried-at-``i`` (vLLM's per-position acceptance
+        rate), and the distribution for a full proposal is
+        ``P(a) = r_1 ... r_a (1 - r_{a+1})``. A position never tried has rate 0."""
+        tried, accepted = [0] * (k + 1), [0] * (k + 1)
         for n, a in verified:
-            if n == k:
-                counts[a] += 1
-        if not sum(counts):
-            counts[0] = 1   # no full proposal seen: nothing known to be accepted
-        return cls(method, k, [float(c) for c in counts],
+            for i in range(1, min(a + 1, n) + 1):
+                tried[i] += 1
+                accepted[i] += i <= a
+        probs, reach = [], 1.0
+        for i in range(1, k + 1):
+            rate = accepted[i] / tried[i] if tried[i] else 0.0
+            probs.append(reach * (1.0 - rate))
+            reach *= rate
+        probs.append(reach)
+        return cls(method, k, probs,
                    draft_probability=num_proposing / num_sampling if num_sampling else 1.0,
-                   num_observed=sum(counts))
+                   num_observed=len(verified))
 
     @property
     def mean_accepted(self) -> float:
@@ -178,11 +193,18 @@ class CostModel:
     decode_attn_s: float = 0.0
     drafter_step_s: float = 0.0
     drafter_req_s: float = 0.0
+    contention: float = 1.0
     meta: dict[str, Any] = field(default_factory=dict)
     acceptance: Optional[Acceptance] = None
 
     def predict(self, shape: StepShape) -> float:
-        """Seconds for a step of this shape (0 for a step that schedules nothing)."""
+        """Wall seconds for a step of this shape (0 for a step that schedules nothing)."""
+        if shape.num_reqs == 0:
+            return 0.0
+        return self.contention * self.predict_terms(shape)
+
+    def predict_terms(self, shape: StepShape) -> float:
+        """The formula's sum, before ``contention``."""
         if shape.num_reqs == 0:
             return 0.0
         t = (self.step_s + self.prefill_token_s * shape.num_prefill_tokens
@@ -199,7 +221,9 @@ class CostModel:
         return {name: getattr(self, name) for name in COEFFICIENTS}
 
     @classmethod
-    def fit(cls, samples: Sequence[tuple[StepShape, float]], **meta: Any) -> "CostModel":
+    def fit(cls, samples: Sequence[tuple[StepShape, float]],
+            wall_seconds: Optional[Sequence[float]] = None,
+            acceptance: Optional[Acceptance] = None, **meta: Any) -> "CostModel":
         """Least squares on the *relative* error, every coefficient >= 0.
 
         Each step gives one row ``features(shape) . c = seconds``, divided by its seconds: a step
@@ -210,7 +234,9 @@ class CostModel:
         least squares runs again without every column whose coefficient came out negative, until
         none does (an active-set step of Lawson and Hanson's NNLS, not always its optimum).
         A term no sample exercises (no drafting in the samples) stays 0 and is listed in
-        ``meta["unfitted"]``.
+        ``meta["unfitted"]``. ``wall_seconds``: when the samples' seconds are CPU time, the same
+        steps' wall time; ``contention`` is then the median of wall over CPU time, and
+        ``meta["wall_error"]`` the error of the predictions against wall time.
 
         Against ``bench roofline``: its verify cost is ``curve[k] - curve[0]`` over a plain step,
         two medians of 3-5 timings each on a loaded machine, so noise in either enters the
@@ -218,7 +244,8 @@ class CostModel:
         import numpy as np
         rows = [(s.features(), t) for s, t in samples if s.num_reqs and t > 0]
         if len(rows) < len(COEFFICIENTS):
-            raise ValueError(f"fit needs at least {len(COEFFICIENTS)} timed steps, got {len(rows)}.")
+            raise ValueError(f"fit needs at least {len(COEFFICIENTS)} timed steps, "
+                             f"got {len(rows)}.")
         x = np.array([f for f, _ in rows], dtype=float)
         y = np.array([t for _, t in rows], dtype=float)
         x, ones = x / y[:, None], np.ones_like(y)
@@ -226,11 +253,17 @@ class CostModel:
         used = scale > 0
         coef = np.zeros(x.shape[1])
         coef[used] = _nnls(x[:, used] / scale[used], ones) / scale[used]
-        model = cls(**dict(zip(COEFFICIENTS, (float(c) for c in coef))))
-        model.meta = dict(meta, unfitted=[n for n, u in zip(COEFFICIENTS, used) if not u],
-                          num_samples=len(rows))
-        model.meta["fit_error"] = model.fit_report(samples)
-        return model
+        terms = cls(**dict(zip(COEFFICIENTS, (float(c) for c in coef))))
+        meta = dict(meta, unfitted=[n for n, u in zip(COEFFICIENTS, used) if not u],
+                    num_samples=len(rows), fit_error=terms.fit_report(samples))
+        contention = 1.0
+        if wall_seconds is not None:
+            ratios = [w / t for (_, t), w in zip(samples, wall_seconds) if t > 0]
+            contention = float(np.median(ratios)) if ratios else 1.0
+            with_contention = dataclasses.replace(terms, contention=contention)
+            meta["wall_error"] = with_contention.fit_report(
+                [(s, w) for (s, _), w in zip(samples, wall_seconds)])
+        return dataclasses.replace(terms, contention=contention, meta=meta, acceptance=acceptance)
 
     def fit_report(self, samples: Sequence[tuple[StepShape, float]]) -> dict[str, dict]:
         """Per shape class: steps, mean measured and predicted seconds, mean and p90 of
@@ -253,7 +286,8 @@ class CostModel:
 
     # ------------------------------------------------------------------ the stored file
     def to_json(self) -> dict:
-        return {"format": FORMAT, "coefficients": self.coefficients, "meta": self.meta,
+        return {"format": FORMAT, "coefficients": self.coefficients,
+                "contention": self.contention, "meta": self.meta,
                 "acceptance": None if self.acceptance is None
                 else dataclasses.asdict(self.acceptance)}
 
@@ -267,7 +301,8 @@ class CostModel:
         if unknown:
             raise ValueError(f"cost model: unknown coefficients {sorted(unknown)}.")
         acceptance = data.get("acceptance")
-        return cls(**{k: float(v) for k, v in coefficients.items()}, meta=data.get("meta", {}),
+        return cls(**{k: float(v) for k, v in coefficients.items()},
+                   contention=float(data.get("contention", 1.0)), meta=data.get("meta", {}),
                    acceptance=None if acceptance is None else Acceptance(**acceptance))
 
     def save(self, path: str) -> str:

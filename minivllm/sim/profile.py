@@ -6,8 +6,11 @@ The real engine runs with ``ProfilingWorker``, the real ``Worker`` (minivllm/wor
 chosen through ``LLM(worker_cls=...)``, which records each step's ``SchedulerOutput``, its
 ``StepShape``, its worker seconds, the tokens each request sampled and the drafts proposed and
 accepted; the driver times each whole ``LLMEngine.step()`` around it (schedule, forward,
-sampling, drafting, ``update_from_output``: the time a request waits for). So every shape is one
-the real scheduler made.
+sampling, drafting, ``update_from_output``: the time a request waits for), in wall time and in the
+thread's CPU time. So every shape is one the real scheduler made. With one torch thread on a CPU
+the terms are fitted to the CPU time, which other processes on the machine do not move, and the
+median ratio of wall to CPU time is the cost model's ``contention`` (on this shared 2-core machine
+wall time scatters by 2-3x around it, CPU time by about 5%).
 
 The sweep, in rounds until the time is spent (at least one), plain and speculative engines (n-gram,
 ``k = 3``) taking turns so that the machine's drift hits both:
@@ -57,6 +60,7 @@ class StepRecord:
     num_sampled: dict[str, int] = field(default_factory=dict)
     drafts: StepDrafts = field(default_factory=StepDrafts)
     step_s: Optional[float] = None
+    step_cpu_s: Optional[float] = None   # the thread's CPU time in it (time.thread_time)
 
 
 class ProfilingWorker(Worker):
@@ -74,8 +78,8 @@ class ProfilingWorker(Worker):
         elapsed = time.perf_counter() - t0
         states = self.model_runner.requests   # updated to this step, nothing sampled yet
         num_tokens = {r: states[r].num_tokens for r in scheduler_output.num_scheduled_tokens}
-        shape = StepShape.from_scheduler_output(
-            scheduler_output, num_tokens, speculating=self.vllm_config.speculative_config is not None)
+        speculating = self.vllm_config.speculative_config is not None
+        shape = StepShape.from_scheduler_output(scheduler_output, num_tokens, speculating)
         record = StepRecord(scheduler_output, shape, elapsed)
         if output is not None:   # nothing scheduled: no sampling follows
             self.records.append(record)
@@ -145,22 +149,26 @@ def run_timed(llm: Any, requests: list[tuple[list[int], int]],
             if step in later:
                 add(later.pop(step))
             before = len(worker.records)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             engine.step()
-            elapsed = time.perf_counter() - t0
+            elapsed, cpu = time.perf_counter() - t0, time.thread_time() - c0
             if len(worker.records) > before:
                 worker.records[-1].step_s = elapsed
+                worker.records[-1].step_cpu_s = cpu
             step += 1
             if on_step is not None:
                 on_step()
 
 
-def _scenarios(rng: Any, vocab: int) -> list[tuple[str, list, dict]]:
+def _scenarios(rng: Any, vocab: int, max_model_len: int) -> list[tuple[str, list, dict]]:
     """One round's scenarios: (name, requests, later), fresh tokens (the pattern repeats so that
-    n-gram finds drafts)."""
+    n-gram finds drafts). Lengths are for a context of at least 2,112 tokens; a model with a
+    shorter one gets them scaled down to fit."""
     lo = vocab // 8
+    scale = min(1.0, (max_model_len - 64) / 2048)
 
     def pattern_prompt(n: int) -> list[int]:
+        n = max(2, int(n * scale))
         pattern = rng.integers(lo, vocab, 24).tolist()
         return (pattern * (n // 24 + 1))[:n]
 
@@ -199,9 +207,10 @@ def _machine() -> dict[str, Any]:
 
 
 def profile(model: str, minutes: float = 3.0, seed: int = 0, progress: bool = True,
-            spec: Optional[dict] = None) -> tuple[CostModel, list[tuple[StepShape, float]]]:
+            spec: Optional[dict] = None
+            ) -> tuple[CostModel, list[tuple[StepShape, float, Optional[float]]]]:
     """The sweep (module docstring) on ``model``: -> the fitted cost model and its samples
-    (shape, seconds of the whole step)."""
+    (shape, wall seconds of the whole step, its CPU seconds)."""
     import numpy as np
     from tqdm.auto import tqdm
 
@@ -213,6 +222,7 @@ def profile(model: str, minutes: float = 3.0, seed: int = 0, progress: bool = Tr
                            speculative_config=spec)}
     workers = {name: llm.llm_engine.engine_core.worker for name, llm in engines.items()}
     vocab = int(engines["plain"].vllm_config.hf_config.vocab_size)
+    max_model_len = engines["plain"].vllm_config.model_config.max_model_len
     rng = np.random.default_rng(seed)
     budget = minutes * 60.0
     t_start = time.perf_counter()
@@ -220,20 +230,26 @@ def profile(model: str, minutes: float = 3.0, seed: int = 0, progress: bool = Tr
                dynamic_ncols=True, file=sys.stderr)
 
     def tick() -> None:
-        bar.n = min(round(time.perf_counter() - t_start), bar.total)
-        bar.refresh()
+        done = min(int(time.perf_counter() - t_start), bar.total)
+        if done > bar.n:
+            bar.update(done - bar.n)
 
     rounds = 0
     while rounds == 0 or time.perf_counter() - t_start < budget:
         rounds += 1
-        scenarios = _scenarios(rng, vocab)
+        scenarios = _scenarios(rng, vocab, max_model_len)
         for _, requests, later in scenarios:   # plain and spec take turns, scenario by scenario
             for llm in engines.values():
                 run_timed(llm, requests, later, on_step=tick)
         tick()
     bar.close()
-    samples = [(r.shape, r.step_s) for w in workers.values() for r in w.records
-               if r.step_s is not None and r.shape.num_reqs]
+    timed = [(r.shape, r.step_s, r.step_cpu_s) for w in workers.values() for r in w.records
+             if r.step_s is not None and r.shape.num_reqs]
+    # One torch thread on a CPU: the step runs in this thread, so its CPU time is the step's own
+    # cost, free of the waits for a core that other processes cause (contention, fitted apart).
+    on_cpu_time = (engines["plain"].vllm_config.device == "cpu"
+                   and _machine()["torch_threads"] == 1)
+    samples = [(s, c if on_cpu_time else t) for s, t, c in timed]
     meta = {"model": model, "model_path": engines["plain"].vllm_config.model_path,
             "device": engines["plain"].vllm_config.device,
             "dtype": str(workers["plain"].dtype).removeprefix("torch."),
@@ -242,12 +258,13 @@ def profile(model: str, minutes: float = 3.0, seed: int = 0, progress: bool = Tr
             "rounds": rounds, "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)],
             "speculative_config": spec, "timed": "LLMEngine.step (schedule, forward, sampling, "
             "drafting, update_from_output)",
+            "fitted_to": "thread CPU time" if on_cpu_time else "wall time",
             "worker_share": sum(r.worker_s for w in workers.values() for r in w.records
-                                if r.step_s) / max(1e-9, sum(s for _, s in samples))}
+                                if r.step_s) / max(1e-9, sum(t for _, t, _ in timed))}
     meta.update(_floor(workers["plain"]))
-    cost_model = CostModel.fit(samples, **meta)
-    cost_model.acceptance = workers["spec"].measured_acceptance(spec["method"])
-    return cost_model, samples
+    cost_model = CostModel.fit(samples, [t for _, t, _ in timed] if on_cpu_time else None,
+                               workers["spec"].measured_acceptance(spec["method"]), **meta)
+    return cost_model, timed
 
 
 def _floor(worker: Any) -> dict[str, float]:
@@ -284,16 +301,22 @@ def print_report(cost_model: CostModel, path: str, out: Any = sys.stdout) -> Non
     acc = cost_model.acceptance
     if acc is not None:
         print(f"  acceptance ({acc.method}, k={acc.num_speculative_tokens}, "
-              f"{acc.num_observed} full proposals): P(accepted = 0..k) = "
+              f"{acc.num_observed} verifies): P(accepted = 0..k) = "
               + ", ".join(f"{p:.2f}" for p in acc.accepted_length_probs)
               + f"; drafts proposed on {acc.draft_probability:.0%} of sampled steps", file=out)
-    print(f"fit error per shape class (|predicted - measured| / measured):", file=out)
-    print(f"  {'class':<14}{'steps':>6}{'measured ms':>13}{'mean err':>10}{'p90 err':>9}"
-          f"{'bias':>8}", file=out)
-    for name, e in meta.get("fit_error", {}).items():
-        print(f"  {name:<14}{e['steps']:>6}{e['measured_mean_s'] * 1e3:>13.1f}"
-              f"{e['abs_rel_err_mean']:>10.1%}{e['abs_rel_err_p90']:>9.1%}"
-              f"{e['rel_err_mean']:>+8.1%}", file=out)
+    print(f"  contention {cost_model.contention:.2f} (wall seconds per second of the terms; "
+          f"fitted to {meta.get('fitted_to', 'wall time')})", file=out)
+    for key, what in (("fit_error", f"the fit, against {meta.get('fitted_to', 'wall time')}"),
+                      ("wall_error", "with contention, against wall time")):
+        if key not in meta:
+            continue
+        print(f"error per shape class, {what} (|predicted - measured| / measured):", file=out)
+        print(f"  {'class':<14}{'steps':>6}{'measured ms':>13}{'mean err':>10}{'p90 err':>9}"
+              f"{'bias':>8}", file=out)
+        for name, e in meta[key].items():
+            print(f"  {name:<14}{e['steps']:>6}{e['measured_mean_s'] * 1e3:>13.1f}"
+                  f"{e['abs_rel_err_mean']:>10.1%}{e['abs_rel_err_p90']:>9.1%}"
+                  f"{e['rel_err_mean']:>+8.1%}", file=out)
     print(f"stored: {path}", file=out)
 
 
@@ -308,7 +331,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--cost-model", default=None,
                     help="where to store it (default: the model's path in the cache)")
     ap.add_argument("--save-samples", default=None,
-                    help="also write every timed step (shape, seconds) as JSON lines")
+                    help="also write every timed step (shape, wall and CPU seconds, "
+                    "predicted) as JSON lines")
     args = ap.parse_args(argv)
     if args.minutes <= 0:
         ap.error("--minutes must be > 0")
@@ -317,8 +341,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.save_samples:
         import dataclasses
         with open(args.save_samples, "w") as fh:
-            for shape, seconds in samples:
+            for shape, seconds, cpu in samples:
                 fh.write(json.dumps({"shape": dataclasses.asdict(shape), "seconds": seconds,
+                                     "cpu_seconds": cpu,
                                      "predicted": cost_model.predict(shape)}) + "\n")
     print_report(cost_model, path)
     return 0

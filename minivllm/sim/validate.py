@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import itertools
 import json
 import math
@@ -684,6 +685,8 @@ def add_parser(sub: argparse._SubParsersAction, default_model: str) -> None:
     ap.add_argument("--conversations", type=int, default=6)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48, help="tokens per chat reply")
+    ap.add_argument("--max-model-len", type=int, default=FLEET_MAX_MODEL_LEN,
+                    help="the fleet replicas' --max-model-len")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the per-request lines and SUMMARY lines "
                     "here instead of stdout")
@@ -717,6 +720,8 @@ def main(args: argparse.Namespace) -> int:
     threads = int(cost_model.meta.get("torch_threads") or 1)
     torch.set_num_threads(threads)       # the profile's: its terms are one thread's work
     done: list[Validation] = []
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     out = open(args.out, "w") if args.out else sys.stdout
     try:
         llm = None
@@ -730,8 +735,11 @@ def main(args: argparse.Namespace) -> int:
                 v = validate_engine(name, args.model, cost_model, args.num_requests, args.seed,
                                     llm=llm)
             else:
+                llm = None        # the fleet's replicas get the machine (and the memory)
+                gc.collect()
                 v = validate_fleet(name, args.model, cost_model, args.num_requests or 24,
-                                   args.seed, args.conversations, args.turns, args.max_tokens)
+                                   args.seed, args.conversations, args.turns, args.max_tokens,
+                                   args.max_model_len)
             done.append(v)
             data = v.to_json()
             for row in data["requests"]:

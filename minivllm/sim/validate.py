@@ -25,10 +25,13 @@ What runs:
   turn's prompt with the real reply (``SimulatedWorker.answer_with``: the next turn's prompt holds
   it, so its prefix-cache hits are the real ones), each turn sent when the previous one finished.
 - Replicas sharing the cores: the cost model's ``contention`` (wall seconds per second of work,
-  measured by ``profile``) is one number for every replica; the simulator does not slow a replica
-  down when others are busy. For fleets with more busy replicas than cores, a second simulation
-  (``variants["shared cores"]``) multiplies ``contention`` by replicas / cores, the bound where all
-  of them step at once.
+  measured by ``profile`` on one engine) is one number for every replica; the simulator does not
+  slow a replica down when others are busy. Two more simulations of the same trace say how much
+  of a miss that explains: ``variants["shared cores"]`` (fleets with more replicas than cores)
+  multiplies ``contention`` by replicas / cores, the bound where all of them step at once; and
+  ``variants["contention measured in the run"]`` takes it from the run queue sampled while the
+  real run was measured (``RunQueueSampler``: the fleet's replicas, its serving layer, the client
+  and whatever else ran on the machine).
 
 Each check is stored as JSON (``Validation``: the measured and simulated side per request, the
 summary and errors, the machine, the date, the command, the load average, the cost model) in
@@ -296,6 +299,73 @@ def plot_validation(validations: Union[str, Sequence[Validation], None] = None, 
     return fig
 
 
+# ---------------------------------------------------------------------- the run's contention
+class RunQueueSampler:
+    """How crowded the cores were while a run was measured: the kernel's count of runnable threads
+    (``procs_running`` in /proc/stat) every ``interval_s``, less this sampler's own thread. A
+    runnable thread at a moment when ``N`` are runnable on ``C`` cores gets ``C / N`` of a core
+    when ``N > C``; weighted by the threads that run, the wall time per second of CPU is
+    ``sum(N * max(1, N / C)) / sum(N)`` (``contention``; 1 on a quiet machine). The cost model's
+    ``contention`` is the same quantity measured during the profile, for one engine alone. A
+    ``with`` block; on a system without /proc/stat it records nothing."""
+
+    def __init__(self, interval_s: float = 0.2) -> None:
+        self.interval_s = interval_s
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @staticmethod
+    def running() -> Optional[int]:
+        try:
+            with open("/proc/stat") as fh:
+                for line in fh:
+                    if line.startswith("procs_running"):
+                        return max(0, int(line.split()[1]) - 1)     # less the reader
+        except (OSError, ValueError):
+            return None
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            n = self.running()
+            if n is not None:
+                self.samples.append(n)
+
+    def __enter__(self) -> "RunQueueSampler":
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def contention(self, cores: Optional[int] = None) -> Optional[float]:
+        cores = cores or os.cpu_count() or 1
+        busy = sum(self.samples)
+        if not busy:
+            return None
+        return sum(n * max(1.0, n / cores) for n in self.samples) / busy
+
+    def summary(self) -> dict[str, Any]:
+        if not self.samples:
+            return {}
+        return {"samples": len(self.samples), "interval_s": self.interval_s,
+                "running_mean": sum(self.samples) / len(self.samples),
+                "contention": self.contention()}
+
+
+def _with_run_contention(cost_model: CostModel, sampler: RunQueueSampler) -> Optional[CostModel]:
+    """The cost model with ``contention`` as measured during the run (None without samples)."""
+    measured = sampler.contention()
+    return None if measured is None else dataclasses.replace(cost_model, contention=measured)
+
+
+RUN_CONTENTION = "contention measured in the run"
+
+
 # ---------------------------------------------------------------------- one engine
 STAGGERED = {"rate": 1.0, "prompt_tokens": (64, 512), "output_tokens": (16, 96)}
 
@@ -395,9 +465,15 @@ def validate_engine(workload: str, model: str, cost_model: CostModel,
         tokenizer = load_tokenizer(llm.vllm_config.model_path)
     requests = engine_trace(workload, tokenizer, vocab, num_requests, seed, **(staggered or {}))
     load0 = os.getloadavg()[0]
-    measured = measure_engine(llm, requests)
+    with RunQueueSampler() as sampler:
+        measured = measure_engine(llm, requests)
     load1 = os.getloadavg()[0]
     simulated = simulate_engine(model, cost_model, requests, seed=seed, **engine_args)
+    variants = {}
+    crowded = _with_run_contention(cost_model, sampler)
+    if crowded is not None:
+        variants[RUN_CONTENTION] = simulate_engine(model, crowded, requests, seed=seed,
+                                                   **engine_args)
     words = {"single": "bench throughput's single request (64 tokens)",
              "batch32": f"bench throughput's batch workload ({len(requests)} requests at once, "
                         "outputs 16-96)",
@@ -406,7 +482,9 @@ def validate_engine(workload: str, model: str, cost_model: CostModel,
                                                            **{**STAGGERED, **(staggered or {})})}
     return Validation(f"engine_{workload}", "engine", words[workload], measured, simulated,
                       _meta(cost_model, load0, load1, engine_args=engine_args,
-                            trace=[r.to_json(with_id=True) for r in _lengths_only(requests)]))
+                            run_queue=sampler.summary(),
+                            trace=[r.to_json(with_id=True) for r in _lengths_only(requests)]),
+                      variants)
 
 
 def _lengths_only(requests: Sequence[TraceRequest]) -> list[TraceRequest]:
@@ -577,13 +655,14 @@ def simulate_fleet(config: Any, vllm_config: Any, cost_model: CostModel,
             for rec in fleet.run(requests)]
 
 
-FLEET_POISSON = {"rate": 1.0, "prompt_tokens": (64, 512), "output_tokens": (16, 64)}
+FLEET_POISSON = {"rate": 0.5, "prompt_tokens": (64, 512), "output_tokens": (16, 64)}
 
 
 def fleet_poisson_trace(num_requests: int, vocab_size: int, seed: int = 0,
                         **poisson: Any) -> list[TraceRequest]:
-    """Poisson arrivals with random-token prompts, by default (``FLEET_POISSON``) 1 request/s,
-    prompts of 64-512 tokens, outputs of 16-64."""
+    """Poisson arrivals with random-token prompts, by default (``FLEET_POISSON``) 0.5 request/s
+    (a prefill replica here is about a third busy), prompts of 64-512 tokens, outputs of
+    16-64."""
     from minivllm.sim.trace import poisson_trace
     kw = {**FLEET_POISSON, **poisson}
     requests = poisson_trace(num_requests, kw["rate"], kw["prompt_tokens"], kw["output_tokens"],
@@ -625,6 +704,7 @@ def validate_fleet(workload: str, model: str, cost_model: CostModel, num_request
             measure_fleet_trace(fleet.url, model, [dataclasses.replace(r, arrival_s=0.0)
                                                    for r in warm])
             load0 = os.getloadavg()[0]
+            sampler = RunQueueSampler().__enter__()
             if kind == "poisson":
                 requests = fleet_poisson_trace(num_requests, vocab, seed, **(poisson or {}))
                 measured = measure_fleet_trace(fleet.url, model, requests)
@@ -636,6 +716,7 @@ def validate_fleet(workload: str, model: str, cost_model: CostModel, num_request
                     fleet.url, model, tokenizer, conversations, turns, max_tokens)
                 words = (f"bench fleet's multi-turn chats: {conversations} conversations x "
                          f"{turns} turns, {max_tokens} tokens a reply")
+            sampler.__exit__(None, None, None)
             load1 = os.getloadavg()[0]
         finally:
             fleet.stop()
@@ -653,8 +734,13 @@ def validate_fleet(workload: str, model: str, cost_model: CostModel, num_request
                                      contention=cost_model.contention * (p + d) / cores)
         variants["shared cores"] = simulate_fleet(sim_config, vllm_config, shared, requests,
                                                   replies)
+    crowded = _with_run_contention(cost_model, sampler)
+    if crowded is not None:
+        variants[RUN_CONTENTION] = simulate_fleet(sim_config, vllm_config, crowded, requests,
+                                                  replies)
     return Validation(f"fleet_{workload}", "fleet", f"{p}P{d}D: {words}", measured, simulated,
                       _meta(cost_model, load0, load1, fleet=f"{p}P{d}D",
+                            run_queue=sampler.summary(),
                             fleet_config={"router": config.router,
                                           "pd_min_uncached_tokens": config.pd_min_uncached_tokens,
                                           "kv_connector": config.kv_connector,

@@ -64,6 +64,9 @@ QUICK: dict[str, "tuple[str, ...] | None"] = {
     # the simulator: its steps are the real scheduler's
     "test_sim.py": ("test_scheduling_decisions_are_the_real_ones",
                     "test_fit_recovers_known_coefficients"),
+    # the fleet in virtual time: the fleet's own router, the KV pull's cost
+    "test_sim_fleet.py": ("test_multiturn_turns_go_to_the_decode_replica_holding_the_conversation",
+                          "test_pd_ttft_includes_the_transfer"),
     # the reader's side: breakpoints, the readable core, README, import contracts
     "test_steps.py": ALL,
     # the walks run the default model (its drafts come from its own repetition): full run only

@@ -300,3 +300,29 @@ def test_a_finished_fleet_keeps_nothing_per_request(vllm_config):
     for replicas in sim.replicas.values():
         for r in replicas.values():
             assert not r.engine.times and not r.engine.scheduler.requests
+
+
+def test_contention_is_one_unless_asked(tiny_llama_dir, tmp_path, capsys):
+    """A fleet's replicas run on machines of their own: the cost model's contention (measured on
+    this shared machine) applies only with ``--contention profile``, or as given."""
+    import dataclasses
+
+    from minivllm.sim.__main__ import main
+    trace = traces.write_trace(str(tmp_path / "t.jsonl"),
+                               traces.poisson_trace(6, 2.0, (8, 40), (2, 8), seed=1))
+    cost = dataclasses.replace(COST, contention=3.0).save(str(tmp_path / "cost.json"))
+    ttft = {}
+    for flag in ("1", "profile", "2"):
+        out = tmp_path / f"{flag}.jsonl"
+        assert main(["fleet", "--trace", trace, "--colocated", "1", "--model", tiny_llama_dir,
+                     "--cost-model", cost, "--block-size", "4", "--contention", flag,
+                     "--out", str(out)]) == 0
+        first = json.loads(out.read_text().splitlines()[0])
+        ttft[flag] = first["ttft_s"]
+    n = traces.poisson_trace(6, 2.0, (8, 40), (2, 8), seed=1)[0].prompt_tokens
+    alone = COST.step_s + n * COST.prefill_token_s           # the first request finds it idle
+    assert ttft["1"] == pytest.approx(alone) and ttft["profile"] == pytest.approx(3 * alone)
+    assert ttft["2"] == pytest.approx(2 * alone)
+    assert "the profile measured 3 here" in capsys.readouterr().err
+    assert main(["fleet", "--trace", trace, "--colocated", "1", "--model", tiny_llama_dir,
+                 "--cost-model", cost, "--contention", "0"]) == 2

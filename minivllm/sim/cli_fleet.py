@@ -15,6 +15,7 @@ memory).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import resource
@@ -78,6 +79,11 @@ def add_fleet_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--transfer", default="zmq_pull",
                     help=f"one KV pull's cost: {', '.join(TRANSFER_COSTS)} (measured here or "
                     "typical), or GBPS[:LATENCY_MS] for a network")
+    ap.add_argument("--contention", default="1",
+                    help="wall seconds per CPU second of a replica's step: 1 (default) for "
+                    "replicas on machines of their own; 'profile' for the one the cost model "
+                    "measured here (other processes sharing the cores); or a number (about N / "
+                    "cores for N replicas sharing this machine)")
 
 
 def load_cost_model(args: argparse.Namespace, prog: str) -> Optional[Any]:
@@ -94,6 +100,21 @@ def load_cost_model(args: argparse.Namespace, prog: str) -> Optional[Any]:
     if fitted_on and fitted_on != platform.node():
         print(f"{prog}: note: the cost model in {path} was fitted on {fitted_on}, not on this "
               f"machine ({platform.node()}).", file=sys.stderr)
+    contention = getattr(args, "contention", None)
+    if contention is not None and contention != "profile":
+        try:
+            value = float(contention)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            print(f"{prog}: --contention is a number > 0 or 'profile', got {contention!r}.",
+                  file=sys.stderr)
+            return None
+        if value != cost_model.contention:
+            print(f"{prog}: note: contention {value:g} (each replica on a machine of its own "
+                  f"when 1); the profile measured {cost_model.contention:.3g} here "
+                  "(--contention profile uses it).", file=sys.stderr)
+        cost_model = dataclasses.replace(cost_model, contention=value)
     cost_model.meta.setdefault("path", path)
     return cost_model
 
@@ -181,7 +202,7 @@ def main(args: argparse.Namespace) -> int:
         config = fleet_config(args, **counts)
         vllm_config = engine_config(args)
         requests = requests_from_args(args, int(vllm_config.hf_config.vocab_size), lazy=True)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fleet = SimFleet(config, vllm_config, cost_model)
     except (ValueError, OSError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
@@ -189,7 +210,7 @@ def main(args: argparse.Namespace) -> int:
     if args.progress:
         requests = _with_progress(requests, args)
     records = fleet.run(requests)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     summary = summarize_records(records)
     summary.update(fleet.stats())
     if args.ttft_p90 is not None and args.itl_p90 is not None:
@@ -204,10 +225,11 @@ def main(args: argparse.Namespace) -> int:
             out.close()
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     steps = sum(v for k, v in summary.items() if k.endswith("_steps"))
+    n = max(1, len(records))
     print(f"{prog}: {len(records)} requests over {config.num_instances} replicas "
-          f"({config.label()}) in {wall:.1f} s: {wall / max(1, len(records)) * 1e3:.2f} ms per "
-          f"request, {steps} engine steps, peak RSS {rss_mb:.0f} MB; cost model "
-          f"{cost_model.meta.get('path')}", file=sys.stderr)
+          f"({config.label()}) in {wall:.1f} s ({cpu:.1f} s CPU): {wall / n * 1e3:.2f} ms per "
+          f"request ({cpu / n * 1e3:.2f} ms CPU), {steps} engine steps, peak RSS {rss_mb:.0f} MB;"
+          f" cost model {cost_model.meta.get('path')}", file=sys.stderr)
     return 0
 
 

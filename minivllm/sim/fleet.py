@@ -52,6 +52,7 @@ import simpy
 from minivllm.config import KVTransferConfig, VllmConfig
 from minivllm.disagg.fleet.kv_index import (OVERLAP_SCORE_WEIGHT, Candidate, KVIndex,
                                             needs_remote_prefill, pick, prompt_block_hashes)
+from minivllm.distributed.kv_transfer.base import KVConnectorOutput
 from minivllm.sim.cost_model import CostModel
 from minivllm.sim.engine import SimEngine
 from minivllm.sim.trace import TraceRequest
@@ -70,9 +71,11 @@ class PDSimulatedWorker(SimulatedWorker):
     """The simulated worker with a KV connector's worker half (``SimPullConnector``'s, in virtual
     time), built in ``init_device`` as the real worker builds its connector
     (worker/worker.py ``init_worker_distributed_environment``). Around each step it does what the
-    real model runner's connector half does (worker/kv_connector_model_runner_mixin.py): bind the
-    step's metadata, start the loads, and hand the scheduler the finished transfers in the step's
-    ``KVConnectorOutput``."""
+    real model runner's connector half does (worker/kv_connector_model_runner_mixin.py
+    ``_get_kv_connector_output`` and ``finalize_kv_connector``): bind the step's metadata, start
+    the loads, then ``wait_for_save``, the finished transfers into the step's
+    ``KVConnectorOutput`` and ``clear_connector_metadata`` (the connector's stats are left out:
+    no scheduler reads them)."""
 
     def init_device(self) -> None:
         super().init_device()
@@ -82,24 +85,33 @@ class PDSimulatedWorker(SimulatedWorker):
 
     def execute_model(self, scheduler_output: Any) -> Any:
         connector = self.kv_connector
-        connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+        if scheduler_output.kv_connector_metadata is not None:
+            connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
         connector.start_load_kv(None)
         self._finished_req_ids = scheduler_output.finished_req_ids
         output = super().execute_model(scheduler_output)
-        if output is not None:          # a step that scheduled nothing: its output is final
-            self._finish_connector_step(output)
+        if output is not None:          # a step that scheduled nothing: no forward to wait for
+            self._finalize_kv_connector(output, forward=False)
         return output
 
     def sample_tokens(self) -> Any:
         output = super().sample_tokens()
-        self._finish_connector_step(output)
+        self._finalize_kv_connector(output, forward=True)
         return output
 
-    def _finish_connector_step(self, output: Any) -> None:
+    def _finalize_kv_connector(self, output: Any, forward: bool) -> None:
         connector = self.kv_connector
-        output.kv_connector_output = kv_out = connector.connector_output(self._finished_req_ids)
+        kv_out = KVConnectorOutput()
+        try:
+            if forward:
+                connector.wait_for_save()
+            kv_out.finished_sending, kv_out.finished_recving = connector.get_finished(
+                self._finished_req_ids)
+            kv_out.invalid_block_ids = connector.get_block_ids_with_load_errors()
+        finally:
+            connector.clear_connector_metadata()
+        output.kv_connector_output = kv_out
         self.last_reported = bool(kv_out.finished_sending or kv_out.finished_recving)
-        connector.clear_connector_metadata()
 
 
 class FleetEngine(SimEngine):
@@ -245,6 +257,7 @@ class SimReplica:
     def _run(self) -> Iterator[simpy.Event]:
         engine, env, hub = self.engine, self.env, self.fleet.hub
         worker = engine.worker
+        reports = isinstance(worker, PDSimulatedWorker)    # a connector's finished transfers
         while True:
             if not engine.has_requests():
                 yield self._sleep()
@@ -264,7 +277,7 @@ class SimReplica:
                 continue                      # a finished transfer to report: step again
             so = result.scheduler_output
             if ((so is None or so.total_num_scheduled_tokens == 0)
-                    and not getattr(worker, "last_reported", False)) or \
+                    and not (reports and worker.last_reported)) or \
                     not engine.has_unfinished_requests():
                 # Nothing can run until an arrival or a finished transfer: a step now would
                 # schedule nothing (a prefill replica holding blocks for a pull, a decode

@@ -273,6 +273,7 @@ class Plan:
     trace_rate: float
     targets: Optional[AutoscaleTargets]
     command: str
+    contention: Optional[float] = None
 
 
 def make_plan(rows: list[PlanRow], rate: float, slo: SLO, cost_model: CostModel,
@@ -313,7 +314,11 @@ def print_plan(plan: Plan, slo: SLO, num_requests: int, out: Any = None) -> None
     w = (out or sys.stdout).write
     w(f"Goodput: the highest rate at which >= {slo.attainment:.0%} of requests meet TTFT <= "
       f"{slo.ttft_s:g} s and ITL <= {slo.itl_s:g} s (DistServe's), {num_requests} requests, "
-      f"their arrivals scaled.\n\n")
+      f"their arrivals scaled.\n")
+    if plan.contention is not None:
+        w(f"Step times: the cost model's, x {plan.contention:g} (contention; 1: each replica on "
+          "a machine of its own).\n")
+    w("\n")
     w("| fleet | instances | goodput req/s | per instance | TTFT p90 s | ITL p90 s | met | "
       "simulations |\n|---|---|---|---|---|---|---|---|\n")
     for r in sorted(plan.rows, key=lambda r: -r.goodput_per_instance):
@@ -406,6 +411,7 @@ def main(args: argparse.Namespace) -> int:
     plan = make_plan(rows, rate, slo, cost_model, requests, base, args.model,
                      args.max_num_seqs, SimulatedWorker(vllm_config).kv_cache_bytes_per_token(),
                      flags)
+    plan.contention = cost_model.contention
     print_plan(plan, slo, len(requests))
     print(f"{prog}: {sum(len(r.trials) for r in rows)} simulations in "
           f"{time.perf_counter() - t0:.1f} s; cost model {cost_model.meta.get('path')}",

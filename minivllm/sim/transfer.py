@@ -29,7 +29,6 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from minivllm.distributed.kv_transfer.base import KVConnectorOutput
 from minivllm.distributed.kv_transfer.factory import KVConnectorFactory
 from minivllm.distributed.kv_transfer.zmq_pull_connector import ZmqPullConnector
 
@@ -205,11 +204,6 @@ class SimPullConnector(ZmqPullConnector):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()
-
-    def connector_output(self, finished_req_ids: set[str]) -> KVConnectorOutput:
-        """The step's ``KVConnectorOutput``, as the model runner's connector mixin builds it."""
-        sending, recving = self.get_finished(finished_req_ids)
-        return KVConnectorOutput(finished_sending=sending, finished_recving=recving)
 
     def shutdown(self) -> None:
         return

@@ -230,6 +230,15 @@ EXPECTED = {
     "08_suffix_decoding.ipynb": ["context '... c a' -> draft ['b', 'a']", "  global ",
                                  "drafts accepted, by the tree they came from: {'request': ",
                                  "same greedy output: True", "suffix  accepted per verify step: ["],
+    "10_how_many_instances.ipynb": ["timed steps", "best goodput per instance: ",
+                                    "colocated (2)  goodput per instance ",
+                                    "simulated against measured: the error of each summary",
+                                    "engine_staggered", "fleet_2p2d_poisson",
+                                    "pd.async_wait  (replica decode-00 of the simulated fleet",
+                                    "where:   minivllm/core/sched/scheduler.py:",
+                                    "called from Scheduler.schedule  (minivllm/core/sched/",
+                                    "called from SimEngine.step  (minivllm/sim/engine.py:",
+                                    "the fleet went on: 3 requests finished"],
 }
 # The notebooks that test_notebooks_browser.py runs in JupyterLab, checking EXPECTED there too.
 BROWSER_NOTEBOOKS = ["01_paged_kv_cache.ipynb", "02_speculative_decoding.ipynb"]

@@ -1,5 +1,5 @@
-"""``python -m minivllm.sim {profile,run,fleet,plan}`` (``minivllm sim ...``): DESIGN.md 5.8's
-planning commands. No vLLM file, no article step (see the package docstring).
+"""``python -m minivllm.sim {profile,run,fleet,plan,validate}`` (``minivllm sim ...``):
+DESIGN.md 5.8's planning commands. No vLLM file, no article step (see the package docstring).
 
 - ``profile [--model M] [--minutes N]``: time the real engine's steps on this machine, fit the cost
   model and store it (profile.py).
@@ -9,8 +9,9 @@ planning commands. No vLLM file, no article step (see the package docstring).
   (``ttft_p50_s``, ``ttft_p90_s``, ``itl_p50_s``, ``itl_p90_s``, ``makespan_s``,
   ``num_requests``). ``itl_s`` is a request's mean inter-token latency (its TPOT). Exit status 2,
   with the command that makes one, when no cost model is stored for this machine and model.
-- ``fleet``, ``plan``: subcommands whose parser and handler live in modules of their own
-  (``SUBCOMMANDS``): a fleet of simulated engines (cli_fleet.py), the planner (plan.py).
+- ``fleet``, ``plan``, ``validate``: subcommands whose parser and handler live in modules of their
+  own (``SUBCOMMANDS``): a fleet of simulated engines (cli_fleet.py), the planner (plan.py), the
+  simulator against real runs here (validate.py).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from typing import Optional
 
 # Subcommands in modules of their own: name -> module with ``add_parser(sub, default_model)`` and
 # ``main(args) -> int`` (exit status).
-SUBCOMMANDS = {"fleet": "minivllm.sim.cli_fleet", "plan": "minivllm.sim.plan"}
+SUBCOMMANDS = {"fleet": "minivllm.sim.cli_fleet", "plan": "minivllm.sim.plan",
+               "validate": "minivllm.sim.validate"}
 
 
 def _range(text: str) -> tuple[int, int]:

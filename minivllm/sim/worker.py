@@ -12,7 +12,9 @@ Each step it
 - answers every request whose computed tokens reach its known tokens (not a partial prefill chunk)
   with 1 + accepted drafts tokens: ``trace.reply_token`` of its prompt, so a request with
   ``SamplingParams(max_tokens=output_tokens, ignore_eos=True)`` runs exactly ``output_tokens`` and
-  the scheduler's own ``check_stop`` ends it;
+  the scheduler's own ``check_stop`` ends it; or, after ``answer_with``, a real run's reply to
+  that prompt (a validation against a real multi-turn run: the next turn's prompt holds the real
+  reply, so the prefix cache finds what the real decode replica's held);
 - proposes drafts when speculation is configured, as many as ``propose_draft_token_ids`` would
   allow (``k``, one short of ``max_tokens`` and of the model length), their count and acceptance
   drawn from a ``DraftSource``: ``MeasuredDrafts`` (an ``Acceptance`` measured on a real run) or
@@ -130,6 +132,7 @@ class SimulatedWorker:
         self.vocab_size = int(vllm_config.hf_config.vocab_size)
         self._output: Optional[ModelRunnerOutput] = None
         self._draft_token_ids: Optional[dict[str, list[int]]] = None
+        self.replies: dict[int, list[int]] = {}    # prompt_key -> a real run's reply to it
 
     def simulate_with(self, cost_model: CostModel, drafts: Optional[DraftSource] = None) -> None:
         """The step times and, with speculation, the drafting (default: the cost model's own
@@ -140,6 +143,18 @@ class SimulatedWorker:
                                  "nor a measured acceptance (cost_model.acceptance) was given.")
             drafts = MeasuredDrafts(cost_model.acceptance)
         self.cost_model, self.drafts = cost_model, drafts
+
+    def answer_with(self, replies: dict[int, list[int]]) -> None:
+        """Answer each prompt whose ``trace.prompt_key`` is in ``replies`` with those tokens (a
+        real run's reply; positions past its end, and other prompts, get ``reply_token``)."""
+        self.replies = dict(replies)
+
+    def reply_token(self, key: int, position: int) -> int:
+        """Output token ``position`` of the reply to the prompt whose key is ``key``."""
+        reply = self.replies.get(key)
+        if reply is not None and position < len(reply):
+            return reply[position]
+        return reply_token(key, position, self.vocab_size)
 
     def advance_clock_to(self, t: float) -> None:
         """Idle until ``t`` (a clock never runs back)."""
@@ -271,8 +286,7 @@ class SimulatedWorker:
             count = 1 + (self.drafts.num_accepted(step, req_id, d) if d else 0)
             state = self.requests[req_id]
             start = state.num_output_tokens
-            sampled.append([reply_token(state.key, start + i, self.vocab_size)
-                            for i in range(count)])
+            sampled.append([self.reply_token(state.key, start + i) for i in range(count)])
             state.num_output_tokens = start + count
             if self.num_spec_tokens:
                 limit = max(0, min(self.num_spec_tokens,
@@ -280,8 +294,8 @@ class SimulatedWorker:
                                    self.max_model_len - 1 - num_tokens[req_id] - count))
                 k = self.drafts.num_drafts(step, req_id, limit)
                 # The drafts the reply would go on with: accepted ones are the tokens it emits.
-                drafts[req_id] = [reply_token(state.key, state.num_output_tokens + i,
-                                              self.vocab_size) for i in range(k)]
+                drafts[req_id] = [self.reply_token(state.key, state.num_output_tokens + i)
+                                  for i in range(k)]
         if self.num_spec_tokens:
             self._draft_token_ids = drafts
         return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)

@@ -12,7 +12,9 @@ package: vLLM has no simulator; this one runs vLLM's own scheduling code, minivl
 - ``fleet.py``: the fleet on SimPy (replicas as simulated engines, the ingress with the fleet's own
   KV index and P/D decision), colocated serving as a configuration of it; ``cli_fleet.py``: ``sim
   fleet``;
-- ``plan.py``: ``sim plan``, goodput per instance for colocated N and P/D counts under SLOs.
+- ``plan.py``: ``sim plan``, goodput per instance for colocated N and P/D counts under SLOs;
+- ``validate.py``: ``sim validate``, the same trace through the real engine or fleet and the
+  simulator, per request; the stored checks in ``validation/``, the fitted profile in ``profiles/``.
 
 The engine never imports this package (pyproject.toml's import contract).
 """

@@ -23,21 +23,13 @@ import sys
 import time
 from typing import Optional
 
+from minivllm.sim.trace import length_range
+
 
 # Subcommands in modules of their own: name -> module with ``add_parser(sub, default_model)`` and
 # ``main(args) -> int`` (exit status).
 SUBCOMMANDS = {"fleet": "minivllm.sim.cli_fleet", "plan": "minivllm.sim.plan",
                "validate": "minivllm.sim.validate"}
-
-
-def _range(text: str) -> tuple[int, int]:
-    """``"64,1024"`` -> (64, 1024); ``"128"`` -> (128, 128)."""
-    parts = [int(p) for p in text.split(",")]
-    if len(parts) == 1:
-        parts *= 2
-    if len(parts) != 2:
-        raise argparse.ArgumentTypeError(f"expected LO,HI or N, got {text!r}")
-    return parts[0], parts[1]
 
 
 def _run_parser(sub: argparse._SubParsersAction, default_model: str) -> None:
@@ -59,8 +51,8 @@ def _run_parser(sub: argparse._SubParsersAction, default_model: str) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-requests", type=int, default=200)
     ap.add_argument("--request-rate", type=float, default=1.0, help="Poisson arrivals per second")
-    ap.add_argument("--prompt-tokens", type=_range, default=(64, 1024), metavar="LO,HI")
-    ap.add_argument("--output-tokens", type=_range, default=(32, 256), metavar="LO,HI")
+    ap.add_argument("--prompt-tokens", type=length_range, default=(64, 1024), metavar="LO,HI")
+    ap.add_argument("--output-tokens", type=length_range, default=(32, 256), metavar="LO,HI")
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=6)
     # The engine's arguments, under vLLM's flag names.

@@ -23,17 +23,9 @@ import sys
 import time
 from typing import Any, Iterator, Optional
 
+from minivllm.sim.trace import length_range
+
 WORKLOADS = ("poisson", "multiturn")
-
-
-def _range(text: str) -> tuple[int, int]:
-    """``"64,1024"`` -> (64, 1024); ``"128"`` -> (128, 128)."""
-    parts = [int(p) for p in text.split(",")]
-    if len(parts) == 1:
-        parts *= 2
-    if len(parts) != 2:
-        raise argparse.ArgumentTypeError(f"expected LO,HI or N, got {text!r}")
-    return parts[0], parts[1]
 
 
 def add_trace_args(ap: argparse.ArgumentParser, num_requests: int = 200) -> None:
@@ -46,8 +38,8 @@ def add_trace_args(ap: argparse.ArgumentParser, num_requests: int = 200) -> None
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-requests", type=int, default=num_requests)
     ap.add_argument("--request-rate", type=float, default=1.0, help="Poisson arrivals per second")
-    ap.add_argument("--prompt-tokens", type=_range, default=(64, 1024), metavar="LO,HI")
-    ap.add_argument("--output-tokens", type=_range, default=(32, 256), metavar="LO,HI")
+    ap.add_argument("--prompt-tokens", type=length_range, default=(64, 1024), metavar="LO,HI")
+    ap.add_argument("--output-tokens", type=length_range, default=(32, 256), metavar="LO,HI")
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=6)
 

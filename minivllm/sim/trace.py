@@ -19,6 +19,7 @@ that many tokens and the scheduler's own length check stops it.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import dataclass
@@ -239,3 +240,14 @@ def multiturn_trace(conversations: int = 16, turns: int = 6,
             out.append(TraceRequest(str(len(out)), arrival_s, len(ids),
                                     rng.randint(o_lo, o_hi), ids, str(c)))
     return out
+
+
+def length_range(text: str) -> tuple[int, int]:
+    """A length flag of the sim commands (``--prompt-tokens``, ``--output-tokens``):
+    ``"64,1024"`` -> (64, 1024); ``"128"`` -> (128, 128)."""
+    parts = [int(p) for p in text.split(",")]
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected LO,HI or N, got {text!r}")
+    return parts[0], parts[1]

@@ -23,6 +23,7 @@ import sys
 import time
 from typing import Optional
 
+from minivllm.sim.cli_fleet import add_engine_args
 from minivllm.sim.trace import length_range
 
 
@@ -43,9 +44,7 @@ def _run_parser(sub: argparse._SubParsersAction, default_model: str) -> None:
     src.add_argument("--workload", choices=("poisson", "multiturn"),
                      help="generate the trace instead (--num-requests, --request-rate, "
                      "--prompt-tokens, --output-tokens; or --conversations, --turns)")
-    ap.add_argument("--model", default=default_model)
-    ap.add_argument("--cost-model", default=None, help="a cost model file (default: the one "
-                    "`profile` stored for this model on this machine)")
+    add_engine_args(ap, default_model)
     ap.add_argument("--out", default=None, help="write the lines here instead of stdout")
     ap.add_argument("--save-trace", default=None, help="also write the generated trace here")
     ap.add_argument("--seed", type=int, default=0)
@@ -55,14 +54,6 @@ def _run_parser(sub: argparse._SubParsersAction, default_model: str) -> None:
     ap.add_argument("--output-tokens", type=length_range, default=(32, 256), metavar="LO,HI")
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=6)
-    # The engine's arguments, under vLLM's flag names.
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=128)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    ap.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                    action="store_false")
     ap.add_argument("--speculative-config", type=json.loads, default=None,
                     help="JSON, as vllm serve's flag; drafts follow the profile's acceptance")
     ap.add_argument("--progress", action="store_true", help="a progress bar on stderr")
